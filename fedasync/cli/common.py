@@ -1,0 +1,75 @@
+"""Helpers shared by the CLI commands: config errors, progress bars, tables."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from contextlib import contextmanager
+from typing import Iterator
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from fedasync.config import Config, ConfigError, load_config
+
+console = Console(stderr=False)
+err_console = Console(stderr=True)
+
+
+def fail(message: str, code: int = 2) -> "typer.Exit":
+    """Print one line to stderr and exit with ``code`` (2: bad input)."""
+    err_console.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def load_or_exit(path: str | None, overrides: list[str] | None) -> Config:
+    try:
+        return load_config(path, overrides or [])
+    except ConfigError as e:
+        fail(str(e))
+
+
+def quiet_flower(verbose: bool) -> None:
+    """Flower and Ray are chatty; keep their warnings unless --verbose asks for everything."""
+    level = logging.INFO if verbose else logging.ERROR
+    logging.getLogger("flwr").setLevel(level)
+    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    logging.basicConfig(level=logging.WARNING if not verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+class RunProgress:
+    """A rich progress bar over versions (or virtual time) with accuracy and privacy spent."""
+
+    def __init__(self, progress: Progress, label: str, cfg: Config):
+        self.p = progress
+        s = cfg.server
+        if s.max_versions:
+            self.by, total = "version", s.max_versions
+        elif s.max_virtual_time:
+            self.by, total = "time", s.max_virtual_time
+        else:
+            self.by, total = "version", None
+        self.task = progress.add_task(label, total=total, info="")
+
+    def __call__(self, ev: dict) -> None:
+        done = ev["version"] if self.by == "version" else ev["virtual_time_s"]
+        acc = ev.get("accuracy")
+        info = f"v{ev['version']}  t={ev['virtual_time_s']:.1f}s  upd={ev['updates']}"
+        if acc is not None:
+            info += f"  acc={acc:.3f}"
+        if ev.get("epsilon_max") is not None:
+            info += f"  ε_max={ev['epsilon_max']:.2f}  exhausted={ev.get('exhausted', 0)}"
+        self.p.update(self.task, completed=done, info=info)
+
+
+@contextmanager
+def progress_bars() -> Iterator[Progress]:
+    with Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(), console=console, transient=False,
+    ) as p:
+        yield p

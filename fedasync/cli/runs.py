@@ -1,0 +1,36 @@
+"""``fedasync runs``: list the runs in a store."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import typer
+from rich.table import Table
+
+from fedasync.cli.common import console, fail
+
+
+def runs(
+    store: str = typer.Option("sqlite:///fedasync.db", "--store", help="SQLAlchemy URL of the store."),
+) -> None:
+    """List the runs recorded in a store."""
+    from fedasync.store import Store
+
+    if store.startswith("sqlite:///"):
+        import os
+
+        if not os.path.exists(store[len("sqlite:///"):]):
+            fail(f"--store: no database at {store}")
+    st = Store(store)
+    table = Table(title=f"runs in {store}")
+    for col in ("id", "name", "strategy", "mode", "status", "versions", "accuracy", "created"):
+        table.add_column(col)
+    for r in st.list_runs():
+        acc = ""
+        if r.summary_json:
+            fa = json.loads(r.summary_json).get("final_accuracy")
+            acc = f"{fa:.4f}" if fa is not None else ""
+        table.add_row(str(r.id), r.name, r.strategy, r.mode, r.status, str(r.current_version), acc,
+                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.created_wall)))
+    console.print(table)

@@ -1,0 +1,65 @@
+"""What a client does with one task, independent of transport (Flower or in-process).
+
+``handle_train(params, config)`` takes the global model and the task's config (as sent by the
+server) and returns ``{"params": ..., "metrics": {...}}`` or ``{"refused": reason, ...}``.
+Data, model and trainer are built once per process and cached by the setup they came from.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+Params = dict[str, np.ndarray]
+
+
+@functools.lru_cache(maxsize=8)
+def _setup(setup_json: str):
+    from fedasync.config import DataConfig, ModelConfig, TrainConfig
+    from fedasync.task.data import load_federated
+    from fedasync.task.models import build_model
+    from fedasync.task.train import pick_device
+
+    s = json.loads(setup_json)
+    data_cfg = DataConfig.model_validate(s["data"])
+    model_cfg = ModelConfig.model_validate(s["model"])
+    train_cfg = TrainConfig.model_validate(s["train"])
+    fed = load_federated(data_cfg, s["seed"])
+    device = pick_device(train_cfg.device)
+    model = build_model(model_cfg, fed.input_shape, fed.num_classes).to(device)
+    return s, fed, model, train_cfg, device
+
+
+def local_data(setup_json: str, client_id: int, data_path: str | None = None):
+    """This client's partition: from a device's own .npz when given, else generated from the setup."""
+    if data_path:
+        from fedasync.task.data import load_npz
+
+        return load_npz(data_path)
+    _, fed, _, _, _ = _setup(setup_json)
+    return fed.partitions[client_id]
+
+
+def handle_train(params: Params, config: dict[str, Any], data_path: str | None = None) -> dict[str, Any]:
+    from fedasync.task.models import set_params
+    from fedasync.task.train import local_train
+
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    _s, _fed, model, train_cfg, device = _setup(config["setup"])
+    x, y = local_data(config["setup"], int(config["client_id"]), data_path)
+    set_params(model, params)
+    result = local_train(model, x, y, train_cfg, seed=int(config["seed"]), device=device)
+    sleep_s = float(config.get("sleep_s", 0.0))
+    if sleep_s > 0:  # emulate this client's speed in wall-clock time
+        time.sleep(max(0.0, sleep_s - (time.perf_counter() - t0)))
+    return {
+        "params": result.params,
+        "metrics": {"num_examples": result.num_examples, "loss": result.loss, "steps": result.steps,
+                    "train_time_s": time.perf_counter() - t0},
+    }

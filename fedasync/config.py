@@ -1,0 +1,306 @@
+"""The YAML schema: one place that turns YAML (plus ``--set`` overrides) into typed config.
+
+Every section forbids unknown keys, so a typo stops the command before anything runs.
+``load_config`` raises :class:`ConfigError` with a single line naming the key path and the
+problem; the CLI prints it and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import copy
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A bad config: the message is one line, starting with the key path."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Section):
+    dataset: Literal["digits", "mnist1d", "hub"] = "digits"
+    hub_name: str | None = None  # a Hugging Face dataset id, for dataset: hub (needs network)
+    num_clients: int = Field(100, gt=0)
+    partitioner: Literal["iid", "dirichlet"] = "dirichlet"
+    alpha: float = Field(0.5, gt=0)  # Dirichlet concentration
+    min_partition_size: int = Field(2, ge=1)
+    test_fraction: float = Field(0.2, gt=0, lt=1)
+    mnist1d_samples: int = Field(4000, gt=0)
+    path: str | None = None  # deployment: a local .npz with x, y for this device
+
+
+class ModelConfig(_Section):
+    name: Literal["mlp", "cnn"] = "mlp"
+    hidden: int = Field(64, gt=0)
+
+
+class TrainConfig(_Section):
+    local_steps: int = Field(10, gt=0)
+    local_epochs: int | None = Field(None, gt=0)  # when set, overrides local_steps
+    batch_size: int = Field(16, gt=0)
+    lr: float = Field(0.05, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
+
+
+class StalenessConfig(_Section):
+    fn: Literal["constant", "polynomial", "hinge", "exponential"] = "polynomial"
+    a: float = Field(0.5, ge=0)
+    b: float = Field(4.0, ge=0)
+
+
+class ServerConfig(_Section):
+    strategy: Literal["fedasync", "fedbuff", "fedavg"] = "fedbuff"
+    concurrency: int = Field(20, gt=0)
+    # fedasync
+    alpha: float = Field(0.6, gt=0, le=1)
+    # fedbuff
+    buffer_size: int = Field(10, gt=0)
+    server_lr: float = Field(1.0, gt=0)
+    # fedavg
+    clients_per_round: int | None = Field(None, gt=0)  # m; default: concurrency
+    backup_workers: int = Field(0, ge=0)  # b
+    weighting: Literal["auto", "examples", "uniform"] = "auto"  # auto: fedavg examples, fedbuff uniform
+    staleness: StalenessConfig = StalenessConfig()
+    max_staleness: int | None = Field(None, ge=0)
+    eval_every: int = Field(5, gt=0)
+    max_versions: int | None = Field(None, gt=0)
+    max_virtual_time: float | None = Field(None, gt=0)
+    max_wall_time: float | None = Field(None, gt=0)
+    target_accuracy: float | None = Field(None, gt=0, le=1)
+    stop_at_target: bool = False
+    # validation / failures
+    max_update_norm: float | None = Field(None, gt=0)
+    task_timeout: float | None = Field(None, gt=0)  # seconds (virtual in simulation, wall in deployment)
+    late_policy: Literal["reject", "accept"] = "reject"
+    poll_interval: float = Field(0.02, gt=0)
+
+
+class ClockConfig(_Section):
+    sigma: float = Field(1.0, ge=0)  # log-normal spread of relative compute speed
+    jitter: float = Field(0.1, ge=0)  # log-normal per-task jitter
+    step_time: float = Field(0.05, gt=0)  # virtual seconds per local step at speed 1
+    bandwidth_mbps: float = Field(20.0, gt=0)  # median, both ways
+    bandwidth_sigma: float = Field(0.5, ge=0)
+    latency_s: float = Field(0.05, ge=0)
+    emulate: bool = False  # clients really sleep duration * time_scale
+    time_scale: float = Field(0.01, gt=0)
+
+
+class StoreConfig(_Section):
+    url: str | None = None  # default: sqlite:///<run dir>/fedasync.db
+    save_parameters: bool = True
+
+
+class LocalDPConfig(_Section):
+    enabled: bool = False
+    epsilon: float | None = Field(None, gt=0)
+    delta: float = Field(1e-5, gt=0, lt=1)
+    max_grad_norm: float = Field(1.0, gt=0)
+    noise_multiplier: float | Literal["auto"] = "auto"
+    planned_tasks: int = Field(20, gt=0)
+    accountant: Literal["rdp", "prv", "gdp"] = "rdp"
+    grad_sample_mode: Literal["hooks", "functorch", "ew", "ghost"] = "ghost"
+    secure_mode: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> "LocalDPConfig":
+        if self.enabled and self.noise_multiplier == "auto" and self.epsilon is None:
+            raise ValueError("epsilon: needed when noise_multiplier is auto")
+        if isinstance(self.noise_multiplier, float) and self.noise_multiplier <= 0:
+            raise ValueError("noise_multiplier: must be > 0")
+        return self
+
+
+class BudgetOverride(_Section):
+    clients: str  # "0-9", "3,5,7" or "0-4,10"
+    epsilon: float | None = Field(None, gt=0)
+    delta: float | None = Field(None, gt=0, lt=1)
+    noise_multiplier: float | None = Field(None, gt=0)
+    planned_tasks: int | None = Field(None, gt=0)
+
+
+class CentralDPConfig(_Section):
+    enabled: bool = False
+    clip: float = Field(1.0, gt=0)
+    noise_multiplier: float = Field(1.0, ge=0)
+    delta: float = Field(1e-5, gt=0, lt=1)
+    accountant: Literal["rdp", "prv", "gdp"] = "rdp"
+
+
+class PrivacyConfig(_Section):
+    local_dp: LocalDPConfig = LocalDPConfig()
+    overrides: list[BudgetOverride] = []
+    central_dp: CentralDPConfig = CentralDPConfig()
+
+
+class SimulationConfig(_Section):
+    backend: Literal["flower", "local"] = "flower"  # local: in-process, no Ray (tests, quick looks)
+    num_supernodes: int | None = Field(None, gt=0)  # default: num_clients
+    num_actors: int = Field(2, gt=0)  # Ray actors (cores)
+
+
+class DeployConfig(_Section):
+    signing: bool = False
+    public_keys: str | None = None  # a directory of client-<id>.pub files
+    node_discovery_timeout: float = Field(60.0, gt=0)
+
+
+class Config(_Section):
+    name: str = "fedasync"
+    seed: int = 0
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    server: ServerConfig = ServerConfig()
+    clock: ClockConfig = ClockConfig()
+    store: StoreConfig = StoreConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
+    simulation: SimulationConfig = SimulationConfig()
+    deploy: DeployConfig = DeployConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Config":
+        n = self.data.num_clients
+        s = self.server
+        if s.concurrency > n:
+            raise ValueError(f"server.concurrency: {s.concurrency} is larger than data.num_clients ({n})")
+        if s.strategy == "fedbuff" and s.buffer_size > n:
+            raise ValueError(f"server.buffer_size: {s.buffer_size} is larger than data.num_clients ({n})")
+        if s.strategy == "fedavg":
+            m = s.clients_per_round or s.concurrency
+            if m + s.backup_workers > n:
+                raise ValueError(
+                    f"server.backup_workers: clients_per_round ({m}) + backup_workers "
+                    f"({s.backup_workers}) is larger than data.num_clients ({n})"
+                )
+        if self.data.dataset == "hub" and not self.data.hub_name:
+            raise ValueError("data.hub_name: needed when data.dataset is hub")
+        return self
+
+    # -- helpers -----------------------------------------------------------------
+    @property
+    def clients_per_round(self) -> int:
+        return self.server.clients_per_round or self.server.concurrency
+
+    @property
+    def weighting(self) -> str:
+        w = self.server.weighting
+        if w == "auto":
+            return "examples" if self.server.strategy == "fedavg" else "uniform"
+        return w
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# -- loading ------------------------------------------------------------------------
+
+
+def packaged_example(name: str = "quickstart") -> Path:
+    """Path of a YAML file shipped inside the package (fedasync/examples/NAME.yaml)."""
+    ref = resources.files("fedasync") / "examples" / f"{name}.yaml"
+    return Path(str(ref))
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in loc if not str(p).startswith("function-")) or "<root>"
+
+
+def _format_error(err: ValidationError) -> str:
+    e = err.errors()[0]
+    loc = _loc(e["loc"])
+    msg = e["msg"]
+    if e["type"] == "extra_forbidden":
+        return f"{loc}: unknown key"
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+        # cross-field errors carry their own key path ("server.x: ...")
+        if ":" in msg.split(" ")[0]:
+            return msg if loc == "<root>" else f"{loc}.{msg}"
+    return f"{loc}: {msg}"
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item}: expected KEY=VALUE")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"--set {item}: bad key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        path, value = parse_override(item)
+        node = out
+        for i, part in enumerate(path[:-1]):
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"{'.'.join(path[: i + 1])}: is not a section")
+            node = nxt
+        node[path[-1]] = value
+    return out
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: no such config file")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{p}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping")
+    return raw
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load YAML (default: the packaged quickstart), apply ``--set`` overrides, validate."""
+    raw = read_yaml(path if path is not None else packaged_example("quickstart"))
+    return config_from_dict(apply_overrides(raw, overrides or []))
+
+
+def parse_client_set(spec: str, num_clients: int | None = None) -> set[int]:
+    """'0-9', '3,5,7', '0-4,10' -> a set of client ids."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                if hi < lo:
+                    raise ValueError
+                out.update(range(lo, hi + 1))
+            else:
+                out.add(int(part))
+        except ValueError:
+            raise ConfigError(f"privacy.overrides.clients: bad client set {spec!r}") from None
+    if num_clients is not None and any(c >= num_clients or c < 0 for c in out):
+        raise ConfigError(f"privacy.overrides.clients: {spec!r} names a client outside 0-{num_clients - 1}")
+    return out

@@ -1,0 +1,83 @@
+"""What a run writes to its directory: summary.json, history.csv, accuracy.png, config.yaml;
+and for ``--compare``: comparison.json and comparison.png."""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+from pathlib import Path
+
+from fedasync.config import Config
+
+
+def new_run_dir(root: Path, name: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = root / f"{name}-{stamp}"
+    n = 1
+    while out.exists():
+        n += 1
+        out = root / f"{name}-{stamp}-{n}"
+    out.mkdir(parents=True)
+    return out
+
+
+def _plot(series: dict[str, list[dict]], path: Path, target: float | None, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for label, hist in series.items():
+        ax.plot([h["virtual_time_s"] for h in hist], [h["accuracy"] for h in hist], label=label, lw=1.6)
+    if target is not None:
+        ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:.2f}")
+    ax.set_xlabel("virtual time (s)")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_run_outputs(out: Path, cfg: Config, summary: dict) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "summary": out / "summary.json",
+        "history": out / "history.csv",
+        "plot": out / "accuracy.png",
+        "config": out / "config.yaml",
+    }
+    paths["summary"].write_text(json.dumps(summary, indent=2) + "\n")
+    with paths["history"].open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["version", "virtual_time_s", "accuracy", "loss"])
+        w.writeheader()
+        for row in summary["history"]:
+            w.writerow(row)
+    _plot({summary["strategy"]: summary["history"]}, paths["plot"], cfg.server.target_accuracy,
+          f"{cfg.name}: {summary['strategy']}")
+    paths["config"].write_text(cfg.to_yaml())
+    return paths
+
+
+def comparison(summaries: dict[str, dict]) -> dict:
+    """``time_to_target_ratio[name] = first strategy's time / this one's`` (None if either missed)."""
+    names = list(summaries)
+    first = summaries[names[0]]["time_to_target_s"]
+    ratio = {}
+    for n in names:
+        t = summaries[n]["time_to_target_s"]
+        ratio[n] = None if (first is None or t is None or t == 0) else first / t
+    return {"strategies": summaries, "time_to_target_ratio": ratio}
+
+
+def write_comparison(out: Path, summaries: dict[str, dict], target: float | None) -> dict[str, Path]:
+    data = comparison(summaries)
+    paths = {"comparison": out / "comparison.json", "plot": out / "comparison.png"}
+    paths["comparison"].write_text(json.dumps(data, indent=2) + "\n")
+    _plot({n: s["history"] for n, s in summaries.items()}, paths["plot"], target,
+          "accuracy vs virtual time, same scenario")
+    return paths

@@ -1,0 +1,477 @@
+"""Aggregation rules: what the new global model is. Pure array math.
+
+A strategy takes one accepted update at a time (:meth:`Strategy.add`) and returns
+the new global model when that update triggers an aggregation, else ``None``.
+*When* to dispatch and *when* replies are taken is the server loop's business
+(``server/app.py``); the caller computes ``staleness = v_now - base_version`` and,
+after a returned model, increments the version.
+
+Rules (``S`` is the staleness function, see :mod:`fedasync.server.staleness`):
+
+- ``fedasync`` (Xie et al. 2019): ``x <- (1 - a_s) x + a_s x_i`` with ``a_s = alpha * S(s)``;
+  computed as ``x + a_s (x_i - x)``. Every update produces a new model.
+- ``fedbuff`` (Nguyen et al. 2022): buffer ``S(s_i) * D_i`` with ``D_i = x_i - x_base_i``;
+  after ``K`` updates, ``uniform``: ``x <- x + eta * sum_i S_i D_i / K``;
+  ``examples``: ``x <- x + eta * sum_i n_i S_i D_i / sum_i n_i``. Exactly ``K`` per aggregation.
+  With client-level central DP (:class:`CentralDP`) each ``D_i`` is first clipped to
+  L2 norm ``clip``, then weighted by ``S_i``, summed, Gaussian noise added, divided by ``K``.
+- ``fedavg`` (synchronous, optional backup workers, Chen et al. 2017): a round dispatches
+  ``m + b`` tasks from version ``v``; the first ``m`` updates with ``base_version == v``
+  are aggregated, ``examples``: ``x <- sum n_i x_i / sum n_i``, ``uniform``: ``mean(x_i)``;
+  later ones are rejected by :meth:`Strategy.check` with ``"round_closed"``.
+
+Arithmetic is float64; results are cast back to each array's dtype. Inputs are never
+mutated; every returned model is a new dict of new arrays.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from fedasync.config import CentralDPConfig, ServerConfig
+from fedasync.server.staleness import StalenessFn, make_staleness
+
+Params = dict[str, np.ndarray]
+Params64 = dict[str, np.ndarray]  # the same keys, float64 arrays
+
+WEIGHTINGS = ("uniform", "examples")
+
+
+# -- parameter helpers --------------------------------------------------------------
+
+
+def _check_like(a: Params, b: Params, what: str = "parameters") -> None:
+    if a.keys() != b.keys():
+        missing = sorted(set(a) ^ set(b))
+        raise ValueError(f"{what}: keys differ ({', '.join(missing[:5])})")
+    for k in a:
+        if np.shape(a[k]) != np.shape(b[k]):
+            raise ValueError(f"{what}: shape of {k!r} differs: {np.shape(a[k])} vs {np.shape(b[k])}")
+
+
+def _f64(p: Params) -> Params64:
+    return {k: np.asarray(v, dtype=np.float64) for k, v in p.items()}
+
+
+def _cast_like(p64: Params64, like: Params) -> Params:
+    """New arrays with the keys (in ``like``'s order) and dtypes of ``like``."""
+    out: Params = {}
+    for k, ref in like.items():
+        dtype = np.asarray(ref).dtype
+        v = p64[k]
+        if np.issubdtype(dtype, np.integer):
+            v = np.rint(v)
+        out[k] = np.array(v, dtype=dtype, copy=True)
+    return out
+
+
+def _copy(p: Params) -> Params:
+    return {k: np.array(v, copy=True) for k, v in p.items()}
+
+
+def params_sub(a: Params, b: Params) -> Params:
+    """``a - b`` per array (float64 inside, cast back to ``a``'s dtypes)."""
+    _check_like(a, b)
+    return _cast_like({k: np.asarray(a[k], np.float64) - np.asarray(b[k], np.float64) for k in a}, a)
+
+
+def params_norm(p: Params) -> float:
+    """Global L2 norm over all arrays, in float64."""
+    return float(np.sqrt(sum(float(np.sum(np.square(np.asarray(v, np.float64)))) for v in p.values())))
+
+
+def params_sha256(p: Params) -> str:
+    """SHA-256 hex digest over (key, dtype, shape, raw C-order bytes) of each array, in key order."""
+    h = hashlib.sha256()
+    for k, v in p.items():
+        arr = np.ascontiguousarray(v)
+        header = json.dumps([str(k), arr.dtype.str, list(arr.shape)]).encode()
+        data = arr.tobytes()
+        h.update(len(header).to_bytes(8, "little"))
+        h.update(header)
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
+# -- updates and the strategy interface ---------------------------------------------
+
+
+@dataclass
+class Update:
+    """One client reply, as the strategy sees it."""
+
+    task_id: int
+    client_id: int
+    params: Params  # the client's new weights x_i
+    base_params: Params  # the global model the client started from (x at base_version)
+    base_version: int
+    staleness: int  # v_now - base_version, computed by the caller
+    num_examples: int
+
+
+class Strategy(ABC):
+    """An aggregation rule. Subclasses keep only the buffer they need between calls."""
+
+    name: str = ""
+    synchronous: bool = False
+
+    def __init__(self) -> None:
+        self._last: list[int] = []
+
+    @abstractmethod
+    def weight(self, update: Update) -> float:
+        """The weight recorded for this update (its share in the aggregation)."""
+
+    def check(self, update: Update, version: int) -> str | None:
+        """A reason to reject ``update`` at server ``version``, or ``None`` to accept it."""
+        return None
+
+    @abstractmethod
+    def add(self, model: Params, update: Update, version: int) -> Params | None:
+        """Take one accepted update; the new global model if it triggers an aggregation."""
+
+    def pending(self) -> list[int]:
+        """Task ids buffered and not yet aggregated."""
+        return []
+
+    def last_aggregated(self) -> list[int]:
+        """Task ids that produced the most recently returned model."""
+        return list(self._last)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"strategy": self.name, "last_aggregated": list(self._last)}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        if d.get("strategy") != self.name:
+            raise ValueError(f"state is for strategy {d.get('strategy')!r}, not {self.name!r}")
+        self._last = [int(t) for t in d.get("last_aggregated", [])]
+
+
+# -- central DP ---------------------------------------------------------------------
+
+
+class CentralDP:
+    """Client-level central DP for buffered aggregation (the Gaussian mechanism).
+
+    ``privatize`` clips each delta to global L2 norm ``clip``, multiplies it by its weight
+    (the staleness weight, ``<= 1``, so the sensitivity stays ``clip``), sums, and adds
+    ``N(0, (noise_multiplier * clip)^2)`` to every coordinate, drawn in key order from a
+    numpy Generator seeded once with ``seed``. ``releases`` counts the noisy sums released
+    (for the accountant).
+    """
+
+    def __init__(self, clip: float, noise_multiplier: float, seed: int = 0) -> None:
+        if clip <= 0:
+            raise ValueError(f"central DP clip must be > 0, got {clip}")
+        if noise_multiplier < 0:
+            raise ValueError(f"central DP noise_multiplier must be >= 0, got {noise_multiplier}")
+        self.clip = float(clip)
+        self.noise_multiplier = float(noise_multiplier)
+        self.seed = seed
+        self.rng = np.random.default_rng(seed)
+        self.releases = 0
+
+    @property
+    def noise_std(self) -> float:
+        return self.noise_multiplier * self.clip
+
+    def clip_delta(self, delta: Params) -> Params64:
+        """``delta * min(1, clip / ||delta||)`` in float64."""
+        norm = params_norm(delta)
+        factor = 1.0 if norm <= self.clip else self.clip / norm
+        return {k: np.asarray(v, np.float64) * factor for k, v in delta.items()}
+
+    def privatize(
+        self,
+        deltas: Sequence[Params],
+        rng: np.random.Generator | None = None,
+        *,
+        weights: Sequence[float] | None = None,
+    ) -> Params64:
+        """The noisy sum ``sum_i w_i clip(delta_i) + N(0, std^2 I)`` (float64)."""
+        if not deltas:
+            raise ValueError("privatize: no deltas")
+        rng = self.rng if rng is None else rng
+        weights = [1.0] * len(deltas) if weights is None else list(weights)
+        if len(weights) != len(deltas):
+            raise ValueError("privatize: one weight per delta")
+        total = {k: np.zeros(np.shape(v), np.float64) for k, v in deltas[0].items()}
+        for d, w in zip(deltas, weights):
+            _check_like(total, d, "central DP delta")
+            for k, v in self.clip_delta(d).items():
+                total[k] += w * v
+        std = self.noise_std
+        for k in total:
+            total[k] = total[k] + rng.normal(0.0, std, size=total[k].shape)
+        self.releases += 1
+        return total
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"bit_generator": self.rng.bit_generator.state, "releases": self.releases}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.rng.bit_generator.state = d["bit_generator"]
+        self.releases = int(d["releases"])
+
+
+# -- the strategies -----------------------------------------------------------------
+
+
+class FedAsync(Strategy):
+    """``x <- (1 - a_s) x + a_s x_i``, ``a_s = alpha * S(s)``; a new model per update."""
+
+    name = "fedasync"
+
+    def __init__(self, alpha: float, staleness_fn: StalenessFn) -> None:
+        super().__init__()
+        if not 0 < alpha <= 1:
+            raise ValueError(f"fedasync alpha must be in (0, 1], got {alpha}")
+        self.alpha = float(alpha)
+        self.staleness_fn = staleness_fn
+
+    def weight(self, update: Update) -> float:
+        return self.alpha * self.staleness_fn(update.staleness)
+
+    def add(self, model: Params, update: Update, version: int) -> Params:
+        _check_like(model, update.params, "update")
+        a_s = self.weight(update)
+        x = _f64(model)
+        xi = _f64(update.params)
+        new = {k: x[k] + a_s * (xi[k] - x[k]) for k in x}
+        self._last = [update.task_id]
+        return _cast_like(new, model)
+
+
+class FedBuff(Strategy):
+    """Buffer ``S(s_i) * (x_i - x_base_i)``; every ``K`` updates step the model by their mean."""
+
+    name = "fedbuff"
+
+    def __init__(
+        self,
+        buffer_size: int,
+        server_lr: float,
+        staleness_fn: StalenessFn,
+        weighting: str = "uniform",
+        central_dp: CentralDP | None = None,
+    ) -> None:
+        super().__init__()
+        if buffer_size < 1:
+            raise ValueError(f"fedbuff buffer_size must be >= 1, got {buffer_size}")
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"fedbuff weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+        if central_dp is not None and weighting != "uniform":
+            raise ValueError("fedbuff with central DP needs weighting 'uniform' (sensitivity is per client)")
+        self.buffer_size = int(buffer_size)
+        self.server_lr = float(server_lr)
+        self.staleness_fn = staleness_fn
+        self.weighting = weighting
+        self.central_dp = central_dp
+        self._buffer: list[dict[str, Any]] = []
+
+    def weight(self, update: Update) -> float:
+        return self.staleness_fn(update.staleness)
+
+    def add(self, model: Params, update: Update, version: int) -> Params | None:
+        if update.base_params is None:
+            raise ValueError("fedbuff needs the update's base_params")
+        _check_like(model, update.params, "update")
+        _check_like(update.params, update.base_params, "update base")
+        xi, xb = _f64(update.params), _f64(update.base_params)
+        self._buffer.append(
+            {
+                "task_id": int(update.task_id),
+                "client_id": int(update.client_id),
+                "delta": {k: xi[k] - xb[k] for k in xi},
+                "weight": self.weight(update),
+                "num_examples": int(update.num_examples),
+            }
+        )
+        if len(self._buffer) < self.buffer_size:
+            return None
+        return self._aggregate(model)
+
+    def _aggregate(self, model: Params) -> Params:
+        buf, self._buffer = self._buffer, []
+        x = _f64(model)
+        if self.central_dp is not None:
+            total = self.central_dp.privatize([e["delta"] for e in buf], weights=[e["weight"] for e in buf])
+            denom = float(len(buf))
+        elif self.weighting == "uniform":
+            total = {k: np.zeros_like(v) for k, v in x.items()}
+            for e in buf:
+                for k in total:
+                    total[k] += e["weight"] * e["delta"][k]
+            denom = float(len(buf))
+        else:
+            total = {k: np.zeros_like(v) for k, v in x.items()}
+            for e in buf:
+                for k in total:
+                    total[k] += (e["num_examples"] * e["weight"]) * e["delta"][k]
+            denom = float(sum(e["num_examples"] for e in buf))
+            if denom <= 0:
+                raise ValueError("fedbuff examples weighting: the buffered updates have 0 examples")
+        new = {k: x[k] + self.server_lr * (total[k] / denom) for k in x}
+        self._last = [e["task_id"] for e in buf]
+        return _cast_like(new, model)
+
+    def pending(self) -> list[int]:
+        return [e["task_id"] for e in self._buffer]
+
+    def state_dict(self) -> dict[str, Any]:
+        d = super().state_dict()
+        d["buffer"] = [dict(e, delta=_copy(e["delta"])) for e in self._buffer]
+        d["central_dp"] = self.central_dp.state_dict() if self.central_dp is not None else None
+        return d
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        super().load_state_dict(d)
+        self._buffer = [
+            dict(e, delta={k: np.array(v, dtype=np.float64, copy=True) for k, v in e["delta"].items()})
+            for e in d.get("buffer", [])
+        ]
+        if d.get("central_dp") is not None:
+            if self.central_dp is None:
+                raise ValueError("state has central DP but this fedbuff has none")
+            self.central_dp.load_state_dict(d["central_dp"])
+
+
+class FedAvg(Strategy):
+    """Synchronous FedAvg: the first ``m`` updates of the current round, ``b`` backups dropped."""
+
+    name = "fedavg"
+    synchronous = True
+
+    def __init__(self, clients_per_round: int, backup_workers: int = 0, weighting: str = "examples") -> None:
+        super().__init__()
+        if clients_per_round < 1 or backup_workers < 0:
+            raise ValueError(f"fedavg needs m >= 1 and b >= 0 (m={clients_per_round}, b={backup_workers})")
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"fedavg weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+        self.clients_per_round = int(clients_per_round)
+        self.backup_workers = int(backup_workers)
+        self.weighting = weighting
+        self._buffer: list[dict[str, Any]] = []
+        self._closed: int | None = None  # the version of the last aggregated round
+
+    @property
+    def round_size(self) -> int:
+        """Tasks to dispatch per round: ``m + b``."""
+        return self.clients_per_round + self.backup_workers
+
+    def weight(self, update: Update) -> float:
+        return float(update.num_examples) if self.weighting == "examples" else 1.0
+
+    def check(self, update: Update, version: int) -> str | None:
+        if update.base_version != version or (self._closed is not None and version <= self._closed):
+            return "round_closed"
+        return None
+
+    def add(self, model: Params, update: Update, version: int) -> Params | None:
+        reason = self.check(update, version)
+        if reason is not None:
+            raise ValueError(f"fedavg: update of task {update.task_id} rejected ({reason}); call check first")
+        _check_like(model, update.params, "update")
+        self._buffer.append(
+            {
+                "task_id": int(update.task_id),
+                "client_id": int(update.client_id),
+                "params": _copy(update.params),
+                "weight": self.weight(update),
+                "base_version": int(update.base_version),
+            }
+        )
+        if len(self._buffer) < self.clients_per_round:
+            return None
+        buf, self._buffer = self._buffer, []
+        denom = float(sum(e["weight"] for e in buf))
+        if denom <= 0:
+            raise ValueError("fedavg examples weighting: the round's updates have 0 examples")
+        total = {k: np.zeros(np.shape(v), np.float64) for k, v in model.items()}
+        for e in buf:
+            for k in total:
+                total[k] += e["weight"] * np.asarray(e["params"][k], np.float64)
+        self._last = [e["task_id"] for e in buf]
+        self._closed = version
+        return _cast_like({k: v / denom for k, v in total.items()}, model)
+
+    def pending(self) -> list[int]:
+        return [e["task_id"] for e in self._buffer]
+
+    def state_dict(self) -> dict[str, Any]:
+        d = super().state_dict()
+        d["buffer"] = [dict(e, params=_copy(e["params"])) for e in self._buffer]
+        d["closed"] = self._closed
+        return d
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        super().load_state_dict(d)
+        self._buffer = [dict(e, params=_copy(e["params"])) for e in d.get("buffer", [])]
+        self._closed = d.get("closed")
+
+
+# -- the registry -------------------------------------------------------------------
+
+
+def _fedasync(cfg: ServerConfig, weighting: str, central_dp: CentralDP | None) -> Strategy:
+    if central_dp is not None:
+        raise ValueError("central DP is supported with server.strategy fedbuff only")
+    return FedAsync(alpha=cfg.alpha, staleness_fn=make_staleness(cfg.staleness))
+
+
+def _fedbuff(cfg: ServerConfig, weighting: str, central_dp: CentralDP | None) -> Strategy:
+    return FedBuff(
+        buffer_size=cfg.buffer_size,
+        server_lr=cfg.server_lr,
+        staleness_fn=make_staleness(cfg.staleness),
+        weighting=weighting,
+        central_dp=central_dp,
+    )
+
+
+def _fedavg(cfg: ServerConfig, weighting: str, central_dp: CentralDP | None) -> Strategy:
+    if central_dp is not None:
+        raise ValueError("central DP is supported with server.strategy fedbuff only")
+    return FedAvg(
+        clients_per_round=cfg.clients_per_round or cfg.concurrency,
+        backup_workers=cfg.backup_workers,
+        weighting=weighting,
+    )
+
+
+#: name (``server.strategy`` in YAML) -> builder ``(cfg, weighting, central_dp) -> Strategy``
+STRATEGIES: dict[str, Callable[[ServerConfig, str, CentralDP | None], Strategy]] = {
+    "fedasync": _fedasync,
+    "fedbuff": _fedbuff,
+    "fedavg": _fedavg,
+}
+
+
+def make_strategy(
+    cfg: ServerConfig,
+    weighting: str,
+    seed: int = 0,
+    central_dp: CentralDPConfig | CentralDP | None = None,
+) -> Strategy:
+    """The strategy ``cfg.strategy``. ``weighting`` is already resolved ("uniform"/"examples").
+
+    ``central_dp``: a :class:`CentralDPConfig` (used when ``enabled``; its noise is seeded
+    with ``seed``) or a ready :class:`CentralDP`.
+    """
+    if cfg.strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {cfg.strategy!r}; known: {', '.join(STRATEGIES)}")
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting must be one of {WEIGHTINGS} (resolve 'auto' first), got {weighting!r}")
+    dp: CentralDP | None
+    if isinstance(central_dp, CentralDPConfig):
+        dp = CentralDP(central_dp.clip, central_dp.noise_multiplier, seed) if central_dp.enabled else None
+    else:
+        dp = central_dp
+    return STRATEGIES[cfg.strategy](cfg, weighting, dp)

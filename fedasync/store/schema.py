@@ -1,0 +1,130 @@
+"""SQLAlchemy 2 ORM schema of the fedasync store.
+
+One database may hold many runs. Every row names its run. Times are stored twice where it
+matters: ``*_virtual`` (the simulated clock, seconds) and ``*_wall`` (UTC epoch seconds).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(200))
+    strategy: Mapped[str] = mapped_column(String(40))
+    mode: Mapped[str] = mapped_column(String(20))  # simulation | deployment
+    seed: Mapped[int] = mapped_column(Integer)
+    config_yaml: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(20), default="running")  # running|finished|stopped|failed
+    stop_reason: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    created_wall: Mapped[float] = mapped_column(Float)
+    finished_wall: Mapped[float | None] = mapped_column(Float, nullable=True)
+    current_version: Mapped[int] = mapped_column(Integer, default=0)
+    next_task_id: Mapped[int] = mapped_column(Integer, default=0)
+    virtual_time: Mapped[float] = mapped_column(Float, default=0.0)
+    # the loop's resumable state: strategy buffer, scheduler RNG (JSON, arrays base64)
+    loop_state: Mapped[str | None] = mapped_column(Text, nullable=True)
+    summary_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class Client(Base):
+    __tablename__ = "clients"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    client_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    profile_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+    node_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    public_key: Mapped[str | None] = mapped_column(Text, nullable=True)
+    exhausted: Mapped[bool] = mapped_column(Boolean, default=False)
+    exhausted_reason: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    # privacy: the client's persistent accountant (JSON: {"accountant": name, "history": [[sigma, q, steps], ...]})
+    accountant_state: Mapped[str | None] = mapped_column(Text, nullable=True)
+    epsilon: Mapped[float | None] = mapped_column(Float, nullable=True)
+    tasks_done: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class Dispatch(Base):
+    __tablename__ = "dispatches"
+    __table_args__ = (UniqueConstraint("run_id", "task_id"), Index("ix_dispatch_status", "run_id", "status"))
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    task_id: Mapped[int] = mapped_column(Integer)
+    client_id: Mapped[int] = mapped_column(Integer)
+    node_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    message_id: Mapped[str | None] = mapped_column(String(100), nullable=True)
+    base_version: Mapped[int] = mapped_column(Integer)
+    sent_virtual: Mapped[float] = mapped_column(Float)
+    finish_virtual: Mapped[float | None] = mapped_column(Float, nullable=True)
+    sent_wall: Mapped[float] = mapped_column(Float)
+    done_wall: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # in_flight | replied | failed | timeout | cancelled | lost (in flight when the server died)
+    status: Mapped[str] = mapped_column(String(20), default="in_flight")
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class Update(Base):
+    __tablename__ = "updates"
+    __table_args__ = (UniqueConstraint("run_id", "task_id"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    task_id: Mapped[int] = mapped_column(Integer)
+    client_id: Mapped[int] = mapped_column(Integer)
+    base_version: Mapped[int] = mapped_column(Integer)
+    version_at_arrival: Mapped[int] = mapped_column(Integer)
+    staleness: Mapped[int] = mapped_column(Integer)
+    weight: Mapped[float | None] = mapped_column(Float, nullable=True)
+    num_examples: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    epsilon: Mapped[float | None] = mapped_column(Float, nullable=True)
+    params_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    accepted: Mapped[bool] = mapped_column(Boolean)
+    reason: Mapped[str | None] = mapped_column(String(100), nullable=True)
+    applied_in_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    received_virtual: Mapped[float] = mapped_column(Float)
+    received_wall: Mapped[float] = mapped_column(Float)
+
+
+class ModelVersion(Base):
+    __tablename__ = "model_versions"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    parent: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    sha256: Mapped[str] = mapped_column(String(64))
+    parameters: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    num_updates: Mapped[int] = mapped_column(Integer, default=0)
+    created_virtual: Mapped[float] = mapped_column(Float)
+    created_wall: Mapped[float] = mapped_column(Float)
+    accuracy: Mapped[float | None] = mapped_column(Float, nullable=True)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class PrivacySpend(Base):
+    __tablename__ = "privacy_spend"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    client_id: Mapped[int] = mapped_column(Integer)  # -1: the server (central DP)
+    task_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    accountant: Mapped[str] = mapped_column(String(10))
+    noise_multiplier: Mapped[float] = mapped_column(Float)
+    sample_rate: Mapped[float] = mapped_column(Float)
+    steps: Mapped[int] = mapped_column(Integer)
+    epsilon: Mapped[float] = mapped_column(Float)
+    delta: Mapped[float] = mapped_column(Float)
+    recorded_wall: Mapped[float] = mapped_column(Float)

@@ -1,0 +1,298 @@
+"""The Store API: every write the asynchronous server makes goes through here.
+
+The rule that makes a killed server safe to resume: an accepted update, the model
+version it produced (if any), the dispatch's new status and the loop's resumable state
+are committed in **one transaction** (:meth:`Store.record_reply`), before the server acts
+on them (evaluates, dispatches again, reports).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+from sqlalchemy import create_engine, event, func, select, update
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from fedasync.store import schema as S
+
+Params = dict[str, np.ndarray]
+
+
+# -- codecs --------------------------------------------------------------------------
+
+
+def encode_params(params: Params) -> bytes:
+    """Parameters as an uncompressed .npz (keys in order); exact round trip."""
+    buf = io.BytesIO()
+    np.savez(buf, **params)
+    return buf.getvalue()
+
+
+def decode_params(blob: bytes) -> Params:
+    with np.load(io.BytesIO(blob), allow_pickle=False) as z:
+        return {k: z[k].copy() for k in z.files}
+
+
+def _enc(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return {"__nd__": base64.b64encode(encode_params({"a": obj})).decode()}
+    if isinstance(obj, dict):
+        return {"__dict__": [[_enc(k), _enc(v)] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return [_enc(v) for v in obj]
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def _dec(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        if "__nd__" in obj:
+            return decode_params(base64.b64decode(obj["__nd__"]))["a"]
+        if "__dict__" in obj:
+            return {_dec(k): _dec(v) for k, v in obj["__dict__"]}
+        return {k: _dec(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_dec(v) for v in obj]
+    return obj
+
+
+def dumps_state(obj: Any) -> str:
+    """JSON for nested dicts/lists of numbers, strings and numpy arrays (no pickle)."""
+    return json.dumps(_enc(obj))
+
+
+def loads_state(text: str | None) -> Any:
+    return None if text is None else _dec(json.loads(text))
+
+
+def default_sqlite_url(run_dir: str | Path) -> str:
+    return f"sqlite:///{Path(run_dir).resolve() / 'fedasync.db'}"
+
+
+def make_engine(url: str) -> Engine:
+    """An engine; SQLite gets WAL, a busy timeout and foreign keys (several writers may share it)."""
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"timeout": 60})
+
+        @event.listens_for(engine, "connect")
+        def _pragmas(dbapi_conn, _rec):  # pragma: no cover - trivial
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.close()
+
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+class Store:
+    """Open (and create if needed) the store at ``url``."""
+
+    def __init__(self, url: str, create: bool = True):
+        self.url = url
+        self.engine = make_engine(url)
+        if create:
+            from fedasync.store.migrate import upgrade
+
+            upgrade(self.engine)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """A transaction: committed on success, rolled back on any error."""
+        with self._sessions.begin() as s:
+            yield s
+
+    # -- runs ------------------------------------------------------------------------
+    def create_run(self, name: str, strategy: str, seed: int, config_yaml: str, mode: str) -> int:
+        with self.session() as s:
+            run = S.Run(
+                name=name, strategy=strategy, seed=seed, config_yaml=config_yaml, mode=mode,
+                status="running", created_wall=time.time(), current_version=0, next_task_id=0,
+            )
+            s.add(run)
+            s.flush()
+            return run.id
+
+    def get_run(self, run_id: int) -> S.Run:
+        with self.session() as s:
+            run = s.get(S.Run, run_id)
+            if run is None:
+                raise KeyError(f"no run {run_id} in {self.url}")
+            return run
+
+    def list_runs(self) -> list[S.Run]:
+        with self.session() as s:
+            return list(s.scalars(select(S.Run).order_by(S.Run.id)))
+
+    def set_run_status(self, run_id: int, status: str, stop_reason: str | None = None,
+                       summary: dict | None = None) -> None:
+        with self.session() as s:
+            run = s.get(S.Run, run_id)
+            run.status = status
+            run.stop_reason = stop_reason
+            if status != "running":
+                run.finished_wall = time.time()
+            if summary is not None:
+                run.summary_json = json.dumps(summary)
+
+    # -- clients ---------------------------------------------------------------------
+    def register_clients(self, run_id: int, clients: list[dict]) -> None:
+        """``clients``: dicts with client_id and optionally profile (dict), public_key, node_id."""
+        with self.session() as s:
+            for c in clients:
+                row = s.get(S.Client, (run_id, c["client_id"]))
+                if row is None:
+                    row = S.Client(run_id=run_id, client_id=c["client_id"], exhausted=False, tasks_done=0)
+                    s.add(row)
+                if "profile" in c:
+                    row.profile_json = json.dumps(c["profile"])
+                for key in ("public_key", "node_id"):
+                    if key in c:
+                        setattr(row, key, c[key])
+
+    def clients(self, run_id: int) -> list[S.Client]:
+        with self.session() as s:
+            return list(s.scalars(select(S.Client).where(S.Client.run_id == run_id).order_by(S.Client.client_id)))
+
+    def mark_exhausted(self, run_id: int, client_id: int, reason: str) -> None:
+        with self.session() as s:
+            row = s.get(S.Client, (run_id, client_id))
+            row.exhausted = True
+            row.exhausted_reason = reason
+
+    # -- model versions --------------------------------------------------------------
+    def _version_row(self, run_id: int, version: int, parent: int | None, params: Params, sha: str,
+                     num_updates: int, virtual: float) -> S.ModelVersion:
+        return S.ModelVersion(
+            run_id=run_id, version=version, parent=parent, sha256=sha,
+            parameters=encode_params(params) if params is not None else None,
+            num_updates=num_updates, created_virtual=virtual, created_wall=time.time(),
+        )
+
+    def add_initial_version(self, run_id: int, params: Params, sha: str, save: bool = True) -> None:
+        with self.session() as s:
+            s.add(self._version_row(run_id, 0, None, params if save else None, sha, 0, 0.0))
+
+    def load_version(self, run_id: int, version: int | None = None) -> tuple[int, Params]:
+        """(version, params) of ``version``, or of the latest version that kept its parameters."""
+        with self.session() as s:
+            q = select(S.ModelVersion).where(S.ModelVersion.run_id == run_id, S.ModelVersion.parameters.is_not(None))
+            if version is not None:
+                q = q.where(S.ModelVersion.version == version)
+            row = s.scalars(q.order_by(S.ModelVersion.version.desc()).limit(1)).first()
+            if row is None:
+                raise KeyError(f"run {run_id}: no stored parameters for version {version}")
+            return row.version, decode_params(row.parameters)
+
+    def versions(self, run_id: int) -> list[S.ModelVersion]:
+        with self.session() as s:
+            return list(s.scalars(select(S.ModelVersion).where(S.ModelVersion.run_id == run_id)
+                                  .order_by(S.ModelVersion.version)))
+
+    def record_eval(self, run_id: int, version: int, accuracy: float, loss: float) -> None:
+        with self.session() as s:
+            s.execute(update(S.ModelVersion)
+                      .where(S.ModelVersion.run_id == run_id, S.ModelVersion.version == version)
+                      .values(accuracy=accuracy, loss=loss))
+
+    # -- dispatches and replies ------------------------------------------------------
+    def record_dispatch(self, run_id: int, task_id: int, client_id: int, base_version: int,
+                        sent_virtual: float, finish_virtual: float | None, node_id: int | None,
+                        message_id: str | None) -> None:
+        with self.session() as s:
+            s.add(S.Dispatch(
+                run_id=run_id, task_id=task_id, client_id=client_id, node_id=node_id, message_id=message_id,
+                base_version=base_version, sent_virtual=sent_virtual, finish_virtual=finish_virtual,
+                sent_wall=time.time(), status="in_flight",
+            ))
+            s.execute(update(S.Run).where(S.Run.id == run_id).values(next_task_id=task_id + 1))
+
+    def set_dispatch_status(self, run_id: int, task_id: int, status: str, error: str | None = None,
+                            loop_state: str | None = None) -> None:
+        with self.session() as s:
+            self._set_dispatch(s, run_id, task_id, status, error)
+            if loop_state is not None:
+                s.execute(update(S.Run).where(S.Run.id == run_id).values(loop_state=loop_state))
+
+    @staticmethod
+    def _set_dispatch(s: Session, run_id: int, task_id: int, status: str, error: str | None) -> None:
+        s.execute(update(S.Dispatch).where(S.Dispatch.run_id == run_id, S.Dispatch.task_id == task_id)
+                  .values(status=status, error=error, done_wall=time.time()))
+
+    def record_reply(self, run_id: int, task_id: int, update_row: dict, dispatch_status: str,
+                     new_version: dict | None, loop_state: str, virtual_time: float,
+                     privacy: dict | None = None, client_state: dict | None = None) -> None:
+        """One transaction: the update (accepted or rejected), the dispatch's status, the model
+        version it produced (with the ids of every update aggregated into it), the run's
+        current version and resumable loop state, and the client's privacy spend."""
+        with self.session() as s:
+            s.add(S.Update(run_id=run_id, task_id=task_id, received_wall=time.time(), **update_row))
+            self._set_dispatch(s, run_id, task_id, dispatch_status, None)
+            values: dict[str, Any] = {"loop_state": loop_state, "virtual_time": virtual_time}
+            if new_version is not None:
+                v = new_version["version"]
+                s.add(self._version_row(run_id, v, new_version["parent"], new_version.get("params"),
+                                        new_version["sha256"], len(new_version["task_ids"]), virtual_time))
+                s.flush()
+                s.execute(update(S.Update)
+                          .where(S.Update.run_id == run_id, S.Update.task_id.in_(new_version["task_ids"]))
+                          .values(applied_in_version=v))
+                values["current_version"] = v
+            s.execute(update(S.Run).where(S.Run.id == run_id).values(**values))
+            if privacy is not None:
+                s.add(S.PrivacySpend(run_id=run_id, task_id=task_id, recorded_wall=time.time(), **privacy))
+            if client_state is not None:
+                row = s.get(S.Client, (run_id, update_row["client_id"]))
+                if row is not None:
+                    for k, val in client_state.items():
+                        setattr(row, k, val)
+
+    def dispatches(self, run_id: int, status: str | None = None) -> list[S.Dispatch]:
+        with self.session() as s:
+            q = select(S.Dispatch).where(S.Dispatch.run_id == run_id)
+            if status is not None:
+                q = q.where(S.Dispatch.status == status)
+            return list(s.scalars(q.order_by(S.Dispatch.task_id)))
+
+    def updates(self, run_id: int) -> list[S.Update]:
+        with self.session() as s:
+            return list(s.scalars(select(S.Update).where(S.Update.run_id == run_id).order_by(S.Update.task_id)))
+
+    def mark_in_flight(self, run_id: int, status: str) -> int:
+        """Close every dispatch still in flight (at the end of a run, or on resume). Returns the count."""
+        with self.session() as s:
+            res = s.execute(update(S.Dispatch)
+                            .where(S.Dispatch.run_id == run_id, S.Dispatch.status == "in_flight")
+                            .values(status=status, done_wall=time.time()))
+            return res.rowcount or 0
+
+    def counts(self, run_id: int) -> dict[str, int]:
+        with self.session() as s:
+            def n(model, *conds):
+                return s.scalar(select(func.count()).select_from(model).where(model.run_id == run_id, *conds))
+            return {
+                "dispatches": n(S.Dispatch),
+                "updates": n(S.Update),
+                "accepted": n(S.Update, S.Update.accepted.is_(True)),
+                "rejected": n(S.Update, S.Update.accepted.is_(False)),
+                "versions": n(S.ModelVersion),
+            }
+
+    def privacy_spend(self, run_id: int) -> list[S.PrivacySpend]:
+        with self.session() as s:
+            return list(s.scalars(select(S.PrivacySpend).where(S.PrivacySpend.run_id == run_id)
+                                  .order_by(S.PrivacySpend.id)))

@@ -1,0 +1,322 @@
+"""Federated data: load a data set, hold out a server-side test set, partition the rest.
+
+Local data sets (no network):
+
+* ``digits``  - scikit-learn's 8x8 digits (1797 samples), features scaled to [0, 1], shape (64,).
+* ``mnist1d`` - MNIST-1D generated locally (``mnist1d.data.make_dataset``, never downloaded),
+  ``cfg.mnist1d_samples`` samples, standardized, shape (40,).
+* ``hub``     - a Hugging Face data set through ``flwr_datasets.FederatedDataset`` (needs network).
+
+The held-out test set is a stratified split of ``cfg.test_fraction`` (seeded); the rest is split
+across ``cfg.num_clients`` clients by a flwr-datasets partitioner (``IidPartitioner`` or
+``DirichletPartitioner``) run on an in-memory ``datasets.Dataset``.  Everything is a pure function
+of ``(cfg, seed)``: the same inputs give identical arrays in any process.  Results are cached per
+process; the cached arrays are read-only (copy them before changing them in place).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fedasync.config import DataConfig
+
+log = logging.getLogger(__name__)
+
+# MNIST-1D's own generation seed: the data set itself is fixed; `seed` drives split and partition.
+_MNIST1D_SEED = 42
+
+
+@dataclass
+class FederatedData:
+    partitions: list[tuple[np.ndarray, np.ndarray]]  # per client id 0..N-1: (x float32, y int64)
+    x_test: np.ndarray
+    y_test: np.ndarray
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.partitions)
+
+    def sizes(self) -> list[int]:
+        return [len(y) for _, y in self.partitions]
+
+
+# -- raw data sets ----------------------------------------------------------------------------
+
+
+def _load_digits() -> tuple[np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = (d.data / 16.0).astype(np.float32)
+    y = d.target.astype(np.int64)
+    return x, y
+
+
+def _load_mnist1d(num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+    """Generate MNIST-1D locally (``make_dataset``; ``get_dataset`` would try to download)."""
+    try:
+        from mnist1d.data import get_dataset_args, make_dataset
+    except ImportError as err:  # pragma: no cover - a declared dependency
+        raise RuntimeError(f"data.dataset mnist1d: the mnist1d package is not importable ({err})") from None
+    if num_samples < 10:
+        raise ValueError(f"data.mnist1d_samples: {num_samples} is too small (need at least 10, one per class)")
+    args = get_dataset_args()
+    args.num_samples = int(num_samples)
+    args.seed = _MNIST1D_SEED
+    # make_dataset reseeds the global `random` and `numpy.random` states: put them back.
+    np_state, py_state = np.random.get_state(), random.getstate()
+    try:
+        d = make_dataset(args)
+    finally:
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+    x = np.concatenate([d["x"], d["x_test"]]).astype(np.float64)
+    y = np.concatenate([d["y"], d["y_test"]]).astype(np.int64)
+    x = (x - x.mean()) / x.std()  # make_dataset already does this; kept so the contract is explicit
+    return x.astype(np.float32), y
+
+
+# -- partitioning -----------------------------------------------------------------------------
+
+
+def _make_partitioner(cfg: DataConfig, seed: int, min_partition_size: int | None = None):
+    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
+
+    if cfg.partitioner == "iid":
+        return IidPartitioner(num_partitions=cfg.num_clients)
+    return DirichletPartitioner(
+        num_partitions=cfg.num_clients,
+        partition_by="label",
+        alpha=cfg.alpha,
+        min_partition_size=cfg.min_partition_size if min_partition_size is None else min_partition_size,
+        self_balancing=True,
+        seed=seed,
+    )
+
+
+def _partition_indices(partitioner, num_clients: int) -> list[np.ndarray]:
+    out = []
+    for i in range(num_clients):
+        part = partitioner.load_partition(i)
+        out.append(np.asarray(part[:]["idx"], dtype=np.int64))
+    return out
+
+
+def _repair_min_size(parts: list[np.ndarray], min_size: int) -> list[np.ndarray]:
+    """Deterministically move samples from the largest clients to those below ``min_size``."""
+    lists = [list(p) for p in parts]
+    for i in range(len(lists)):
+        while len(lists[i]) < min_size:
+            donor = max(range(len(lists)), key=lambda j: (len(lists[j]), -j))
+            if len(lists[donor]) <= min_size:  # pragma: no cover - excluded by the size check
+                raise ValueError("cannot satisfy min_partition_size")
+            lists[i].append(lists[donor].pop())
+    return [np.asarray(p, dtype=np.int64) for p in lists]
+
+
+def partition_labels(cfg: DataConfig, seed: int, labels: np.ndarray) -> list[np.ndarray]:
+    """Indices into ``labels`` for each client, from a flwr-datasets partitioner.
+
+    Dirichlet: flwr-datasets resamples up to 10 times when a client falls below
+    ``min_partition_size`` and then raises.  On that failure we sample once more with no
+    minimum and move samples from the largest clients to the small ones (logged as a warning),
+    so a feasible config always succeeds.
+    """
+    import datasets
+
+    n = len(labels)
+    need = cfg.num_clients * (cfg.min_partition_size if cfg.partitioner == "dirichlet" else 1)
+    if need > n:
+        raise ValueError(
+            f"data.num_clients: {cfg.num_clients} clients need at least {need} training samples "
+            f"(min_partition_size {cfg.min_partition_size if cfg.partitioner == 'dirichlet' else 1}), "
+            f"but only {n} are left after the test split"
+        )
+    ds = datasets.Dataset.from_dict({"idx": np.arange(n, dtype=np.int64), "label": labels})
+    partitioner = _make_partitioner(cfg, seed)
+    partitioner.dataset = ds
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            parts = _partition_indices(partitioner, cfg.num_clients)
+        except ValueError as err:
+            if cfg.partitioner != "dirichlet":
+                raise
+            log.warning(
+                "DirichletPartitioner could not give every client >= %d samples (%s); "
+                "resampling without a minimum and topping small clients up from the largest ones",
+                cfg.min_partition_size,
+                err,
+            )
+            partitioner = _make_partitioner(cfg, seed, min_partition_size=0)
+            partitioner.dataset = ds
+            parts = _repair_min_size(_partition_indices(partitioner, cfg.num_clients), cfg.min_partition_size)
+    retries = sum("min_partition_size" in str(w.message) for w in caught)
+    if retries:
+        log.debug("DirichletPartitioner resampled %d time(s) to satisfy min_partition_size", retries)
+    for w in caught:
+        if "min_partition_size" not in str(w.message):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return parts
+
+
+# -- the public loaders -----------------------------------------------------------------------
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    a.flags.writeable = False
+    return a
+
+
+def _split_and_partition(cfg: DataConfig, seed: int, x: np.ndarray, y: np.ndarray) -> FederatedData:
+    from sklearn.model_selection import train_test_split
+
+    idx = np.arange(len(y))
+    train_idx, test_idx = train_test_split(idx, test_size=cfg.test_fraction, random_state=seed, stratify=y)
+    x_train, y_train = x[train_idx], y[train_idx]
+    parts = partition_labels(cfg, seed, y_train)
+    partitions = [(_readonly(x_train[p]), _readonly(y_train[p])) for p in parts]
+    return FederatedData(
+        partitions=partitions,
+        x_test=_readonly(x[test_idx]),
+        y_test=_readonly(y[test_idx]),
+        input_shape=tuple(int(s) for s in x.shape[1:]),
+        num_classes=int(y.max()) + 1,
+    )
+
+
+def _hub_to_numpy(ds, label_col: str) -> tuple[np.ndarray, np.ndarray]:
+    cols = [c for c in ds.column_names if c != label_col]
+    preferred = [c for c in ("image", "img", "pixel_values", "x", "features") if c in cols]
+    if not cols:
+        raise ValueError(f"data.hub_name: the data set has no feature column besides {label_col!r}")
+    feat = (preferred or cols)[0]
+    npds = ds.with_format("numpy")
+    x = np.asarray(npds[feat])
+    y = np.asarray(npds[label_col]).astype(np.int64)
+    x = x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else x.astype(np.float32)
+    return x, y
+
+
+def _load_hub(cfg: DataConfig, seed: int) -> FederatedData:
+    """A Hugging Face data set with a ``label`` column and ``train``/``test`` splits (needs network)."""
+    if not cfg.hub_name:
+        raise ValueError("data.hub_name: needed when data.dataset is hub")
+    try:
+        from flwr_datasets import FederatedDataset
+
+        fds = FederatedDataset(
+            dataset=cfg.hub_name, partitioners={"train": _make_partitioner(cfg, seed)}, seed=seed
+        )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*min_partition_size.*")
+            partitions = [_hub_to_numpy(fds.load_partition(i, "train"), "label") for i in range(cfg.num_clients)]
+        x_test, y_test = _hub_to_numpy(fds.load_split("test"), "label")
+    except Exception as err:
+        raise RuntimeError(
+            f"data.hub_name: could not load Hugging Face data set {cfg.hub_name!r} "
+            f"(it needs network access, a 'label' column and 'train'/'test' splits): "
+            f"{type(err).__name__}: {err}"
+        ) from err
+    empty = [i for i, (_, y) in enumerate(partitions) if len(y) == 0]
+    if empty:
+        raise ValueError(f"data.hub_name: clients {empty[:10]} got no samples")
+    num_classes = int(max(int(y_test.max()), *(int(y.max()) for _, y in partitions))) + 1
+    return FederatedData(
+        partitions=[(_readonly(x), _readonly(y)) for x, y in partitions],
+        x_test=_readonly(x_test),
+        y_test=_readonly(y_test),
+        input_shape=tuple(int(s) for s in x_test.shape[1:]),
+        num_classes=num_classes,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _load_cached(cfg_json: str, seed: int) -> FederatedData:
+    cfg = DataConfig.model_validate_json(cfg_json)
+    if cfg.dataset == "hub":
+        return _load_hub(cfg, seed)
+    if cfg.dataset == "digits":
+        x, y = _load_digits()
+    elif cfg.dataset == "mnist1d":
+        x, y = _load_mnist1d(cfg.mnist1d_samples)
+    else:  # pragma: no cover - the config's Literal excludes it
+        raise ValueError(f"data.dataset: unknown data set {cfg.dataset!r}")
+    return _split_and_partition(cfg, seed, x, y)
+
+
+def _key(cfg: DataConfig) -> str:
+    # `path` is per device (deployment) and does not change the simulated federation
+    return cfg.model_copy(update={"path": None}).model_dump_json()
+
+
+def load_federated(cfg: DataConfig, seed: int) -> FederatedData:
+    """The whole federation for ``(cfg, seed)``; cached per process, arrays read-only."""
+    return _load_cached(_key(cfg), int(seed))
+
+
+def load_partition(cfg: DataConfig, seed: int, client_id: int) -> tuple[np.ndarray, np.ndarray]:
+    fd = load_federated(cfg, seed)
+    if not 0 <= client_id < len(fd.partitions):
+        raise IndexError(f"client id {client_id} is outside 0-{len(fd.partitions) - 1}")
+    return fd.partitions[client_id]
+
+
+def load_test(cfg: DataConfig, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    fd = load_federated(cfg, seed)
+    return fd.x_test, fd.y_test
+
+
+# -- deployment: a device's own file ---------------------------------------------------------
+
+
+def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """A device's data: an ``.npz`` with ``x`` (features) and ``y`` (integer labels)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"data.path: {p}: no such file")
+    try:
+        with np.load(p, allow_pickle=False) as f:
+            missing = [k for k in ("x", "y") if k not in f.files]
+            if missing:
+                raise ValueError(f"data.path: {p}: missing array(s) {', '.join(missing)} (has {f.files})")
+            x, y = f["x"], f["y"]
+    except ValueError:
+        raise
+    except Exception as err:
+        raise ValueError(f"data.path: {p}: not a readable .npz file ({type(err).__name__}: {err})") from None
+    if x.ndim < 2 or y.ndim != 1 or len(x) != len(y):
+        raise ValueError(f"data.path: {p}: expected x of shape (n, ...) and y of shape (n,), got {x.shape} and {y.shape}")
+    if len(y) == 0:
+        raise ValueError(f"data.path: {p}: holds no samples")
+    if not np.issubdtype(y.dtype, np.integer):
+        if np.issubdtype(y.dtype, np.floating) and np.all(np.mod(y, 1) == 0):
+            y = y.astype(np.int64)
+        else:
+            raise ValueError(f"data.path: {p}: y must hold integer labels, got dtype {y.dtype}")
+    if y.min() < 0:
+        raise ValueError(f"data.path: {p}: y holds negative labels")
+    return np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(y, dtype=np.int64)
+
+
+def save_partitions_npz(cfg: DataConfig, seed: int, out_dir: str | Path) -> list[Path]:
+    """Write ``client-<i>.npz`` (x, y) for every client, to hand devices their data."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fd = load_federated(cfg, seed)
+    paths = []
+    for i, (x, y) in enumerate(fd.partitions):
+        path = out / f"client-{i}.npz"
+        np.savez(path, x=x, y=y)
+        paths.append(path)
+    return paths
