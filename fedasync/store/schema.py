@@ -7,7 +7,6 @@ matters: ``*_virtual`` (the simulated clock, seconds) and ``*_wall`` (UTC epoch 
 from __future__ import annotations
 
 from sqlalchemy import (
-    BigInteger,
     Boolean,
     Float,
     ForeignKey,
@@ -50,7 +49,7 @@ class Client(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     client_id: Mapped[int] = mapped_column(Integer, primary_key=True)
     profile_json: Mapped[str | None] = mapped_column(Text, nullable=True)
-    node_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    node_id: Mapped[str | None] = mapped_column(String(24), nullable=True)  # uint64: too big for BIGINT
     public_key: Mapped[str | None] = mapped_column(Text, nullable=True)
     exhausted: Mapped[bool] = mapped_column(Boolean, default=False)
     exhausted_reason: Mapped[str | None] = mapped_column(String(200), nullable=True)
@@ -67,7 +66,7 @@ class Dispatch(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     task_id: Mapped[int] = mapped_column(Integer)
     client_id: Mapped[int] = mapped_column(Integer)
-    node_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    node_id: Mapped[str | None] = mapped_column(String(24), nullable=True)  # uint64: too big for BIGINT
     message_id: Mapped[str | None] = mapped_column(String(100), nullable=True)
     base_version: Mapped[int] = mapped_column(Integer)
     sent_virtual: Mapped[float] = mapped_column(Float)

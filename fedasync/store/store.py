@@ -215,7 +215,8 @@ class Store:
                         message_id: str | None) -> None:
         with self.session() as s:
             s.add(S.Dispatch(
-                run_id=run_id, task_id=task_id, client_id=client_id, node_id=node_id, message_id=message_id,
+                run_id=run_id, task_id=task_id, client_id=client_id, message_id=message_id,
+                node_id=None if node_id is None else str(node_id),
                 base_version=base_version, sent_virtual=sent_virtual, finish_virtual=finish_virtual,
                 sent_wall=time.time(), status="in_flight",
             ))

@@ -287,14 +287,14 @@ def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
         raise FileNotFoundError(f"data.path: {p}: no such file")
     try:
         with np.load(p, allow_pickle=False) as f:
-            missing = [k for k in ("x", "y") if k not in f.files]
-            if missing:
-                raise ValueError(f"data.path: {p}: missing array(s) {', '.join(missing)} (has {f.files})")
-            x, y = f["x"], f["y"]
-    except ValueError:
-        raise
+            files = list(getattr(f, "files", []))
+            arrays = {k: f[k] for k in ("x", "y") if k in files}
     except Exception as err:
         raise ValueError(f"data.path: {p}: not a readable .npz file ({type(err).__name__}: {err})") from None
+    missing = [k for k in ("x", "y") if k not in arrays]
+    if missing:
+        raise ValueError(f"data.path: {p}: missing array(s) {', '.join(missing)} (has {files})")
+    x, y = arrays["x"], arrays["y"]
     if x.ndim < 2 or y.ndim != 1 or len(x) != len(y):
         raise ValueError(f"data.path: {p}: expected x of shape (n, ...) and y of shape (n,), got {x.shape} and {y.shape}")
     if len(y) == 0:
