@@ -68,6 +68,7 @@ def run_configs(
     from fedasync.store import Store, default_sqlite_url
 
     def make_store(label: str, cfg: Config) -> Store:
+        out_dirs[label].mkdir(parents=True, exist_ok=True)
         return Store(cfg.store.url or default_sqlite_url(out_dirs[label]))
 
     summaries: dict[str, dict] = {}

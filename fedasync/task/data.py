@@ -178,11 +178,21 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _split_and_partition(cfg: DataConfig, seed: int, x: np.ndarray, y: np.ndarray) -> FederatedData:
+def stratified_split(y: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded stratified (train_idx, test_idx), both shuffled; ``ceil(test_fraction * n)`` test samples."""
     from sklearn.model_selection import train_test_split
 
-    idx = np.arange(len(y))
-    train_idx, test_idx = train_test_split(idx, test_size=cfg.test_fraction, random_state=seed, stratify=y)
+    try:
+        train_idx, test_idx = train_test_split(
+            np.arange(len(y)), test_size=test_fraction, random_state=seed, stratify=y, shuffle=True
+        )
+    except ValueError as err:
+        raise ValueError(f"data.test_fraction: cannot split {len(y)} samples stratified ({err})") from None
+    return np.asarray(train_idx, dtype=np.int64), np.asarray(test_idx, dtype=np.int64)
+
+
+def _split_and_partition(cfg: DataConfig, seed: int, x: np.ndarray, y: np.ndarray) -> FederatedData:
+    train_idx, test_idx = stratified_split(y, cfg.test_fraction, seed)
     x_train, y_train = x[train_idx], y[train_idx]
     parts = partition_labels(cfg, seed, y_train)
     partitions = [(_readonly(x_train[p]), _readonly(y_train[p])) for p in parts]

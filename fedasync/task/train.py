@@ -13,9 +13,13 @@ is called once before the loop (Opacus' ``PrivacyEngine.make_private`` fits this
   int64) with a ``batch_sampler`` that yields exactly ``steps`` batches of ``batch_size``
   samples (so ``len(data_loader) == steps``) and a seeded ``torch.Generator`` as ``generator``.
   It also carries ``planned_steps``, ``planned_batch_size`` (``min(cfg.batch_size, n)``) and
-  ``seed`` attributes.  Note that Opacus' ``DPDataLoader.from_data_loader`` derives its sample
-  rate as ``1 / len(data_loader)``; a hook that wants sample rate ``planned_batch_size / n`` should
-  build its own ``DPDataLoader(dataset, sample_rate=..., steps=planned_steps, generator=...)``.
+  ``seed`` attributes.  Do not hand it to Opacus' Poisson sampling as is:
+  ``DPDataLoader.from_data_loader`` takes the sample rate as ``1 / len(data_loader)``
+  = ``1 / steps``, which for ``steps > n`` makes Opacus' expected batch size 0 and the update
+  NaN.  Build ``DPDataLoader(loader.dataset, sample_rate=loader.planned_batch_size / n,
+  generator=torch.Generator().manual_seed(loader.seed))`` instead (opacus 1.6 has no ``steps``
+  argument; its length is ``1 / sample_rate``) and pass ``poisson_sampling=False``; checked
+  deterministic with ``grad_sample_mode`` ghost and hooks, for both models.
 * The loop takes ``planned_steps`` batches from the returned loader, iterating it again if a pass
   yields fewer.  Each step: ``optimizer.zero_grad(); loss = criterion(model(xb), yb);
   loss.backward(); optimizer.step()``.  A returned criterion (Opacus ghost clipping's
