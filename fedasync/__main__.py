@@ -1,0 +1,3 @@
+from fedasync.cli import app
+
+app(prog_name="fedasync")

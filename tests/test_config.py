@@ -1,0 +1,77 @@
+"""Config: one pydantic schema, --set overrides, and bad input that stops before anything runs."""
+
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from fedasync.cli import app
+from fedasync.config import ConfigError, load_config, packaged_example, parse_client_set
+
+
+def test_packaged_quickstart_matches_the_issue():
+    cfg = load_config()
+    assert packaged_example().is_file()
+    assert (cfg.data.dataset, cfg.data.num_clients, cfg.data.partitioner, cfg.data.alpha) == ("digits", 100, "dirichlet", 0.5)
+    assert (cfg.clock.sigma, cfg.server.concurrency, cfg.model.name) == (1.0, 20, "mlp")
+    assert (cfg.train.local_steps, cfg.train.batch_size) == (10, 16)
+    assert (cfg.server.strategy, cfg.server.buffer_size) == ("fedbuff", 10)
+    assert (cfg.server.staleness.fn, cfg.server.staleness.a) == ("polynomial", 0.5)
+    assert cfg.server.target_accuracy == 0.90
+
+
+def test_set_overrides_any_key_with_typed_values():
+    cfg = load_config(None, ["server.concurrency=7", "clock.sigma=0.25", "server.max_staleness=3",
+                             "server.staleness.fn=hinge", "name=x y"])
+    assert cfg.server.concurrency == 7 and cfg.clock.sigma == 0.25 and cfg.server.max_staleness == 3
+    assert cfg.server.staleness.fn == "hinge" and cfg.name == "x y"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("server.bogus=1", "server.bogus: unknown key"),
+    ("bogus.key=1", "bogus: unknown key"),
+    ("server.concurrency=abc", "server.concurrency: Input should be a valid integer"),
+    ("server.concurrency=-3", "server.concurrency: Input should be greater than 0"),
+    ("server.buffer_size=101", "server.buffer_size: 101 is larger than data.num_clients (100)"),
+    ("server.strategy=fedprox", "server.strategy: Input should be"),
+    ("data.alpha=0", "data.alpha: Input should be greater than 0"),
+])
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert str(e.value).startswith(message)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_yaml_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("server: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_client_sets():
+    assert parse_client_set("0-3,7") == {0, 1, 2, 3, 7}
+    with pytest.raises(ConfigError):
+        parse_client_set("5-2")
+    with pytest.raises(ConfigError):
+        parse_client_set("0-10", num_clients=5)
+
+
+@pytest.mark.parametrize("args, key", [
+    (["--set", "server.bogus=1"], "server.bogus"),
+    (["--set", "server.concurrency=abc"], "server.concurrency"),
+    (["--set", "server.concurrency=-1"], "server.concurrency"),
+    (["--set", "server.buffer_size=500"], "server.buffer_size"),
+    (["--compare", "fedavg,nope"], "server.strategy"),
+])
+def test_cli_bad_config_exits_2_and_writes_nothing(tmp_path, monkeypatch, args, key):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["simulate", "--backend", "local", "--out", str(out), *args])
+    assert result.exit_code == 2, result.output
+    lines = [ln for ln in result.output.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and key in lines[0], result.output
+    assert os.listdir(tmp_path) == []  # no out dir, no runs/, no database

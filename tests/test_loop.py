@@ -1,0 +1,140 @@
+"""The asynchronous loop, in-process (LocalTransport): determinism, the store, equivalences."""
+
+import numpy as np
+import pytest
+
+from conftest import small_config
+from fedasync.server.loop import AsyncServer, LocalTransport
+from fedasync.store import Store, decode_params
+from fedasync.server.strategies import params_sha256
+
+
+def run(cfg, tmp_path, name="db"):
+    store = Store(f"sqlite:///{tmp_path / name}.db")
+    server = AsyncServer(cfg, LocalTransport(), store, clock="virtual")
+    return server.run(), store, server
+
+
+def test_same_config_and_seed_give_the_same_model_and_history(tmp_path):
+    cfg = small_config()
+    a, _, _ = run(cfg, tmp_path, "a")
+    b, _, _ = run(cfg, tmp_path, "b")
+    assert a["model_sha256"] == b["model_sha256"]
+    assert a["history"] == b["history"]
+    assert a["versions"] == 12 and a["updates_accepted"] == 36
+    c, _, _ = run(small_config("seed=1"), tmp_path, "c")
+    assert c["model_sha256"] != a["model_sha256"]
+
+
+def test_store_holds_every_dispatch_update_and_version(tmp_path):
+    summary, store, server = run(small_config(), tmp_path)
+    rid = summary["run_id"]
+    counts = store.counts(rid)
+    assert counts["dispatches"] == server.next_task  # one row per dispatch
+    assert counts["updates"] == summary["updates_received"]
+    assert counts["accepted"] == summary["updates_accepted"]
+    versions = store.versions(rid)
+    assert [v.version for v in versions] == list(range(summary["versions"] + 1))
+    for v in versions:
+        assert params_sha256(decode_params(v.parameters)) == v.sha256
+    assert versions[-1].sha256 == summary["model_sha256"]
+    # fedbuff: every accepted update is in exactly one version, or still in the buffer
+    applied = {}
+    for u in store.updates(rid):
+        assert u.staleness == u.version_at_arrival - u.base_version >= 0
+        if u.applied_in_version is not None:
+            applied.setdefault(u.applied_in_version, []).append(u.task_id)
+    assert sorted(applied) == list(range(1, summary["versions"] + 1))
+    assert all(len(ts) == 3 for ts in applied.values())  # exactly K per aggregation
+    statuses = {d.status for d in store.dispatches(rid)}
+    assert statuses <= {"replied", "cancelled"}
+    assert store.get_run(rid).status == "finished"
+
+
+def test_virtual_time_orders_replies_by_finish_time(tmp_path):
+    summary, store, _ = run(small_config(), tmp_path)
+    rid = summary["run_id"]
+    finish = {d.task_id: d.finish_virtual for d in store.dispatches(rid)}
+    taken = [(u.received_virtual, u.task_id) for u in store.updates(rid)]
+    # each reply is taken at its virtual finish time, and in that order
+    assert all(abs(t - finish[tid]) < 1e-12 for t, tid in taken)
+    order = [u.id for u in sorted(store.updates(rid), key=lambda u: (u.received_virtual, u.task_id))]
+    assert order == sorted(order)
+
+
+def test_fedbuff_with_k1_and_no_staleness_equals_fedasync(tmp_path):
+    common = ["server.concurrency=1", "server.buffer_size=1", "server.max_versions=15",
+              "server.staleness.fn=polynomial"]
+    fb, _, _ = run(small_config(*common, "server.strategy=fedbuff", "server.server_lr=0.6"), tmp_path, "fb")
+    fa, _, _ = run(small_config(*common, "server.strategy=fedasync", "server.alpha=0.6"), tmp_path, "fa")
+    assert fb["staleness"]["max"] == 0
+    assert fb["model_sha256"] == fa["model_sha256"]
+    assert fb["history"] == fa["history"]
+
+
+def test_fedbuff_with_k_equal_clients_and_equal_speeds_equals_fedavg(tmp_path):
+    n = 8
+    common = [f"data.num_clients={n}", f"server.concurrency={n}", "server.max_versions=4",
+              "clock.sigma=0", "clock.jitter=0", "clock.bandwidth_sigma=0", "server.weighting=uniform"]
+    fb, s1, srv1 = run(small_config(*common, "server.strategy=fedbuff", f"server.buffer_size={n}"), tmp_path, "fb")
+    fa, s2, srv2 = run(small_config(*common, "server.strategy=fedavg"), tmp_path, "fa")
+    assert fb["versions"] == fa["versions"] == 4
+    assert fb["staleness"]["max"] == 0
+    for k in srv1.params:
+        np.testing.assert_allclose(srv1.params[k], srv2.params[k], rtol=0, atol=1e-6)
+    assert [h["version"] for h in fb["history"]] == [h["version"] for h in fa["history"]]
+    np.testing.assert_allclose([h["accuracy"] for h in fb["history"]], [h["accuracy"] for h in fa["history"]])
+
+
+def test_fedavg_backup_workers_discard_the_slowest(tmp_path):
+    cfg = small_config("server.strategy=fedavg", "server.concurrency=4", "server.backup_workers=2",
+                       "server.max_versions=5")
+    summary, store, _ = run(cfg, tmp_path)
+    ups = store.updates(summary["run_id"])
+    by_version = {}
+    for u in ups:
+        if u.accepted:
+            by_version.setdefault(u.applied_in_version, []).append(u)
+    assert sorted(by_version) == [1, 2, 3, 4, 5]
+    assert all(len(v) == 4 for v in by_version.values())  # m = 4 aggregated per round
+    dropped = [u for u in ups if not u.accepted]
+    assert dropped and all(u.reason == "round_closed" for u in dropped)
+    # every dispatch of a round carried that round's version; a round sends m + b tasks
+    per_round = {}
+    for d in store.dispatches(summary["run_id"]):
+        per_round[d.base_version] = per_round.get(d.base_version, 0) + 1
+    assert per_round[0] == 6
+
+
+def test_max_staleness_rejects_stale_updates_and_keeps_the_model(tmp_path):
+    cfg = small_config("server.strategy=fedasync", "server.max_staleness=1", "server.max_versions=20")
+    summary, store, _ = run(cfg, tmp_path)
+    ups = store.updates(summary["run_id"])
+    stale = [u for u in ups if u.reason == "stale"]
+    assert stale and all(u.staleness > 1 and u.applied_in_version is None for u in stale)
+    assert summary["rejections"]["stale"] == len(stale)
+    assert summary["updates_rejected"] == len(stale)
+
+
+def test_stops_at_virtual_time_and_target(tmp_path):
+    s, _, _ = run(small_config("server.max_versions=null", "server.max_virtual_time=5"), tmp_path, "t")
+    assert s["stop_reason"] == "max_virtual_time" and s["virtual_time_s"] == 5
+    s2, _, _ = run(small_config("server.max_versions=500", "server.target_accuracy=0.3",
+                                "server.stop_at_target=true"), tmp_path, "acc")
+    assert s2["stop_reason"] == "target_accuracy"
+    assert s2["final_accuracy"] >= 0.3 and s2["time_to_target_s"] is not None
+
+
+def test_a_failing_client_does_not_stop_the_run(tmp_path):
+    from fedasync.clients.runner import handle_train
+
+    def flaky(params, config):
+        if config["client_id"] % 4 == 0:
+            raise RuntimeError("device fell over")
+        return handle_train(params, config)
+
+    store = Store(f"sqlite:///{tmp_path / 'f'}.db")
+    summary = AsyncServer(small_config(), LocalTransport(flaky), store).run()
+    assert summary["versions"] == 12 and summary["tasks_failed"] > 0
+    failed = store.dispatches(summary["run_id"], status="failed")
+    assert failed and all("device fell over" in d.error for d in failed)
