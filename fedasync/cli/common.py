@@ -34,7 +34,12 @@ def load_or_exit(path: str | None, overrides: list[str] | None) -> Config:
 def quiet_flower(verbose: bool) -> None:
     """Flower and Ray are chatty; keep their warnings unless --verbose asks for everything."""
     level = logging.INFO if verbose else logging.ERROR
-    logging.getLogger("flwr").setLevel(level)
+    flwr_log = logging.getLogger("flwr")
+    flwr_log.setLevel(level)
+    if not verbose:
+        # run_simulation resets the logger's level (and warns that it is deprecated): a filter stays
+        flwr_log.addFilter(lambda record: record.levelno >= logging.ERROR)
+        flwr_log.propagate = False
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     logging.basicConfig(level=logging.WARNING if not verbose else logging.INFO,

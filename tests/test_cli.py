@@ -1,0 +1,51 @@
+"""The CLI end to end, in-process backend: outputs, --compare, `fedasync runs`."""
+
+import json
+
+from typer.testing import CliRunner
+
+from conftest import SMALL
+from fedasync.cli import app
+
+
+def _sets():
+    out = []
+    for s in SMALL:
+        out += ["--set", s]
+    return out
+
+
+def test_simulate_compare_writes_each_summary_and_the_comparison(tmp_path):
+    out = tmp_path / "cmp"
+    r = CliRunner().invoke(app, ["simulate", "--backend", "local", "--out", str(out), *_sets(),
+                                 "--set", "server.target_accuracy=0.5", "--set", "server.max_versions=15",
+                                 "--compare", "fedavg,fedbuff,fedavg:backup_workers=2"])
+    assert r.exit_code == 0, r.output
+    labels = ["fedavg", "fedbuff", "fedavg-backup_workers=2"]
+    summaries = {lbl: json.loads((out / lbl / "summary.json").read_text()) for lbl in labels}
+    for lbl in labels:
+        for f in ("history.csv", "accuracy.png", "config.yaml", "fedasync.db"):
+            assert (out / lbl / f).is_file()
+    assert summaries["fedavg-backup_workers=2"]["backup_workers"] == 2
+    # identical scenario: same seed and clients, different strategies
+    assert {s["seed"] for s in summaries.values()} == {0}
+    assert summaries["fedavg"]["strategy"] == "fedavg" and summaries["fedbuff"]["strategy"] == "fedbuff"
+    comp = json.loads((out / "comparison.json").read_text())
+    assert list(comp["strategies"]) == labels
+    t0 = summaries["fedavg"]["time_to_target_s"]
+    for lbl in labels:
+        t = summaries[lbl]["time_to_target_s"]
+        expected = None if t is None or t0 is None else t0 / t
+        assert comp["time_to_target_ratio"][lbl] == expected
+    assert (out / "comparison.png").is_file()
+    assert "time-to-target ratio" in r.output
+
+    # `fedasync runs` lists a store's runs
+    store_url = summaries["fedbuff"]["store_url"]
+    r2 = CliRunner().invoke(app, ["runs", "--store", store_url])
+    assert r2.exit_code == 0 and "fedbuff" in r2.output and "finished" in r2.output
+
+
+def test_runs_on_a_missing_store_is_a_clear_error(tmp_path):
+    r = CliRunner().invoke(app, ["runs", "--store", f"sqlite:///{tmp_path}/nope.db"])
+    assert r.exit_code == 2 and "no database" in r.output
