@@ -1,0 +1,322 @@
+"""Local DP-SGD through Opacus, with one accountant per client that persists across its tasks.
+
+:class:`OpacusHook` is the ``make_private`` hook of :func:`fedasync.task.train.local_train`:
+it wraps the model, optimizer and data loader with Opacus' ``PrivacyEngine.make_private``
+(per-sample clipping to ``max_grad_norm``, Gaussian noise ``noise_multiplier * max_grad_norm``,
+Poisson sampling with rate ``q = 1 / ceil(n / batch_size)``) on a ``PrivacyEngine`` whose
+accountant is restored from the client's history first, so epsilon keeps growing across tasks.
+
+:func:`private_task` is what a client does with a DP task (see ``clients/runner.py``):
+
+1. find its accountant history: from the task (simulation: the server's store keeps it), else
+   from ``<state_dir>/accountant-<key>.json`` (a real device keeps its own), never shorter than
+   what the server last recorded;
+2. **before training**, compute the epsilon it would have after this task (history plus the
+   planned steps, a fresh Opacus accountant); if that exceeds its budget, refuse with
+   ``privacy_budget_exhausted`` and do not train;
+3. train with DP-SGD, save the accountant's new state (state dir), and report epsilon after
+   the task with the history in the reply metrics.
+
+Determinism: with ``secure_mode: false`` (the default) the Poisson sampler and the noise use
+``torch.Generator`` objects seeded from the task seed, so a run is a pure function of config
+and seed.  ``secure_mode: true`` uses Opacus' torchcsprng generator (not reproducible) and
+stops with a clear error where torchcsprng is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import re
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from fedasync.privacy.budgets import (
+    PrivacyError,
+    as_history,
+    calibrate,
+    epsilon_of,
+    extend_history,
+    history_json,
+    history_steps,
+    sample_rate_for,
+)
+
+log = logging.getLogger("fedasync.privacy")
+
+GRAD_SAMPLE_MODES = ("hooks", "functorch", "ew", "ghost")
+REFUSED = "privacy_budget_exhausted"
+
+
+# -- checks ------------------------------------------------------------------------------------------
+
+
+def check_secure_mode(secure_mode: bool) -> None:
+    """``secure_mode: true`` needs torchcsprng (Opacus' cryptographically secure RNG)."""
+    if secure_mode and importlib.util.find_spec("torchcsprng") is None:
+        raise PrivacyError(
+            "privacy.local_dp.secure_mode: true needs the torchcsprng package, which is not installed "
+            f"(and has no wheel for torch {torch.__version__} here); install it or set secure_mode: false"
+        )
+
+
+def model_problems(model: nn.Module) -> list[str]:
+    """Why Opacus cannot train ``model`` (empty: it can), one short line per problem."""
+    from opacus.validators import ModuleValidator
+
+    errors = ModuleValidator.validate(model, strict=False)
+    if not errors:
+        return []
+    out = []
+    bn = [name or "<root>" for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if bn:
+        out.append(f"BatchNorm at {', '.join(bn)} (each sample's output depends on the rest of its batch)")
+    for e in errors:
+        text = str(e).split(". ")[0]
+        if "BatchNorm" in text and bn:
+            continue
+        out.append(f"{type(e).__name__}: {text}")
+    return out
+
+
+def check_model(model: nn.Module) -> None:
+    """Raise :class:`PrivacyError` (one line) when Opacus cannot train ``model``."""
+    problems = model_problems(model)
+    if problems:
+        raise PrivacyError(
+            "model: Opacus cannot train this model with DP-SGD: " + "; ".join(problems)
+            + ". Replace BatchNorm with GroupNorm/LayerNorm (fedasync.privacy.dp.make_compatible does it "
+            "with Opacus' ModuleValidator.fix) on the server's and every client's model alike"
+        )
+
+
+def make_compatible(model: nn.Module) -> nn.Module:
+    """Opacus' ``ModuleValidator.fix``: BatchNorm -> GroupNorm etc., with a warning saying so.
+
+    The fixed model has different parameters (GroupNorm keeps no running statistics), so use the
+    fixed architecture on the server and on every client.
+    """
+    from opacus.validators import ModuleValidator
+
+    problems = model_problems(model)
+    if not problems:
+        return model
+    fixed = ModuleValidator.fix(model)
+    left = model_problems(fixed)
+    if left:
+        raise PrivacyError("model: ModuleValidator.fix could not make the model trainable with DP: " + "; ".join(left))
+    warnings.warn("model: replaced modules Opacus cannot train (" + "; ".join(problems)
+                  + ") using opacus ModuleValidator.fix (BatchNorm -> GroupNorm)", UserWarning, stacklevel=2)
+    return fixed
+
+
+# -- the make_private hook -----------------------------------------------------------------------------
+
+
+def _derive_seed(seed: int, stream: int) -> int:
+    return int(np.random.SeedSequence([int(seed) % (2**63), 0x0D9, stream]).generate_state(1)[0])
+
+
+class OpacusHook:
+    """``make_private`` hook for :func:`fedasync.task.train.local_train` (one per task).
+
+    ``history``: the client's accountant history so far; after training, :attr:`history` is the
+    accountant's new one.  Call :meth:`close` afterwards (it removes Opacus' hooks from the model,
+    which a client reuses for its next task).
+    """
+
+    def __init__(
+        self,
+        *,
+        noise_multiplier: float,
+        max_grad_norm: float,
+        accountant: str = "rdp",
+        grad_sample_mode: str = "ghost",
+        history: list | None = None,
+        seed: int = 0,
+        secure_mode: bool = False,
+    ) -> None:
+        if grad_sample_mode not in GRAD_SAMPLE_MODES:
+            raise PrivacyError(f"privacy.local_dp.grad_sample_mode: {grad_sample_mode!r} is not one of "
+                               f"{', '.join(GRAD_SAMPLE_MODES)}")
+        check_secure_mode(secure_mode)
+        self.noise_multiplier = float(noise_multiplier)
+        self.max_grad_norm = float(max_grad_norm)
+        self.accountant_name = accountant
+        self.grad_sample_mode = grad_sample_mode
+        self.initial_history = as_history(history)
+        self.seed = int(seed)
+        self.secure_mode = bool(secure_mode)
+        self.engine = None
+        self.module = None
+        self.sample_rate: float | None = None
+
+    def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader):
+        from opacus import PrivacyEngine
+
+        check_model(model)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*Secure RNG turned off.*")
+            warnings.filterwarnings("ignore", message=".*GDP accounting is experimental.*")
+            self.engine = PrivacyEngine(accountant=self.accountant_name, secure_mode=self.secure_mode)
+        if self.initial_history:
+            self.engine.accountant.load_state_dict({"history": list(self.initial_history),
+                                                    "mechanism": self.accountant_name})
+        batch = int(getattr(data_loader, "planned_batch_size", None) or data_loader.batch_size)
+        # Opacus turns this loader into a Poisson DPDataLoader with q = 1 / len(loader)
+        base = DataLoader(data_loader.dataset, batch_size=batch,
+                          generator=torch.Generator().manual_seed(_derive_seed(self.seed, 1)))
+        device = next(model.parameters()).device
+        kwargs: dict[str, Any] = {}
+        if not self.secure_mode:
+            kwargs["noise_generator"] = torch.Generator(device=device).manual_seed(_derive_seed(self.seed, 2))
+        with warnings.catch_warnings():
+            # Opacus warns about the ignored full-backward-hook semantics of some layers; not actionable
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"opacus\..*")
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            out = self.engine.make_private(
+                module=model, optimizer=optimizer, data_loader=base, criterion=nn.CrossEntropyLoss(),
+                noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
+                grad_sample_mode=self.grad_sample_mode, poisson_sampling=True, **kwargs,
+            )
+        if self.grad_sample_mode == "ghost":
+            module, dp_optimizer, criterion, loader = out  # the wrapped criterion's loss must be used
+        else:
+            module, dp_optimizer, loader = out
+            criterion = None
+        self.module = module
+        self.sample_rate = 1.0 / len(base)
+        return module, dp_optimizer, loader, criterion
+
+    @property
+    def history(self) -> list[tuple[float, float, int]]:
+        if self.engine is None:
+            return list(self.initial_history)
+        return as_history(self.engine.accountant.history)
+
+    def close(self) -> None:
+        """Remove Opacus' hooks and per-sample attributes from the (reused) model."""
+        if self.module is not None:
+            close = getattr(self.module, "_close", None) or getattr(self.module, "cleanup", None)
+            if close is not None:
+                close()
+            self.module = None
+
+
+# -- a client's DP task ----------------------------------------------------------------------------------
+
+
+def _state_file(state_dir: str | os.PathLike, key: str) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", key) or "client"
+    return Path(state_dir) / f"accountant-{safe}.json"
+
+
+def load_state_file(path: Path, accountant: str) -> list:
+    if not path.is_file():
+        return []
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise PrivacyError(f"privacy state file {path}: unreadable ({e}); refusing to train without it") from None
+    if d.get("accountant") != accountant:
+        raise PrivacyError(f"privacy state file {path}: accountant {d.get('accountant')!r}, the task asks for {accountant!r}")
+    return as_history(d.get("history"))
+
+
+def save_state_file(path: Path, accountant: str, history: list, delta: float, epsilon: float) -> None:
+    """Atomic write (temporary file + rename): a crash never leaves a truncated accountant."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = json.dumps({"accountant": accountant, "history": history_json(history), "delta": delta,
+                          "epsilon": epsilon}, indent=1)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+@dataclass
+class DPTaskResult:
+    refused: str | None
+    metrics: dict[str, Any]
+    train: Any = None  # the TrainResult when trained
+
+
+def resolve_history(pconf: dict, state_dir: str | None) -> tuple[list, Path | None]:
+    """The client's accountant history before this task, and the state file to update (if any)."""
+    accountant = pconf["accountant"]
+    if pconf.get("history") is not None:  # simulation: the server's store keeps the state
+        return as_history(pconf["history"]), None
+    server = as_history(pconf.get("server_history"))
+    if not state_dir:
+        return server, None
+    path = _state_file(state_dir, str(pconf.get("state_key", "client")))
+    local = load_state_file(path, accountant)
+    if history_steps(server) > history_steps(local):
+        log.warning("privacy state %s has %d steps but the server recorded %d: using the server's history",
+                    path, history_steps(local), history_steps(server))
+        return server, path
+    return local, path
+
+
+def private_task(model: nn.Module, x: np.ndarray, y: np.ndarray, train_cfg, seed: int, device,
+                 pconf: dict, state_dir: str | None = None) -> DPTaskResult:
+    """Enforce the budget, then train with DP-SGD (see the module docstring)."""
+    from fedasync.task.train import local_train, steps_for
+
+    accountant = pconf["accountant"]
+    delta = float(pconf["delta"])
+    budget = pconf.get("epsilon")
+    check_secure_mode(bool(pconf.get("secure_mode", False)))
+    n = len(y)
+    q = sample_rate_for(n, train_cfg.batch_size)
+    steps = steps_for(train_cfg, n)
+    sigma = float(pconf["noise_multiplier"])
+    if pconf.get("noise_auto") and (q != pconf.get("sample_rate") or steps != pconf.get("steps")):
+        # a device whose own data differs from what the server planned for: calibrate for it
+        sigma = calibrate(float(budget), delta, q, steps * int(pconf["planned_tasks"]), accountant)
+    history, state_path = resolve_history(pconf, state_dir)
+    planned = extend_history(history, sigma, q, steps, accountant)
+    eps_next = epsilon_of(planned, delta, accountant)
+    common = {"delta": delta, "epsilon_budget": budget, "accountant": accountant, "noise_multiplier": sigma,
+              "sample_rate": q}
+    if budget is not None and eps_next > float(budget):
+        return DPTaskResult(refused=REFUSED, metrics={
+            "epsilon": epsilon_of(history, delta, accountant), "epsilon_next": eps_next,
+            "accountant_history": history_json(history), **common})
+    hook = OpacusHook(noise_multiplier=sigma, max_grad_norm=float(pconf["max_grad_norm"]), accountant=accountant,
+                      grad_sample_mode=pconf.get("grad_sample_mode", "ghost"), history=history, seed=seed,
+                      secure_mode=bool(pconf.get("secure_mode", False)))
+    try:
+        with warnings.catch_warnings():
+            # Opacus' hooks make torch warn that a full backward hook fires on module outputs: expected
+            warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
+            warnings.filterwarnings("ignore", message=".*Using a non-full backward hook.*")
+            result = local_train(model, x, y, train_cfg, seed=seed, device=device, make_private=hook)
+    finally:
+        hook.close()
+    after = hook.history
+    if hook.sample_rate != q:  # pragma: no cover - q is Opacus' own rule, computed the same way
+        raise PrivacyError(f"privacy: Opacus sampled at q={hook.sample_rate}, the budget assumed q={q}")
+    eps = eps_next if after == planned else epsilon_of(after, delta, accountant)
+    if state_path is not None:
+        save_state_file(state_path, accountant, after, delta, eps)
+    return DPTaskResult(refused=None, train=result, metrics={
+        "epsilon": eps, "dp_steps": history_steps(after) - history_steps(history),
+        "accountant_history": history_json(after), "max_grad_norm": float(pconf["max_grad_norm"]), **common})

@@ -1,0 +1,221 @@
+"""DP runs end to end (in-process backend): accounting, enforcement, determinism, report, central DP."""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+
+import pytest
+import torch
+from opacus.accountants import create_accountant
+from typer.testing import CliRunner
+
+from fedasync.cli import app
+from fedasync.config import load_config
+from fedasync.store import Store
+
+runner = CliRunner()
+
+# 4 clients, budgets planned for 3 tasks each (client 3: a smaller epsilon), K = 2
+SMALL = [
+    "name=dp-small", "data.num_clients=4", "data.partitioner=iid", "model.hidden=16",
+    "train.local_steps=3", "train.batch_size=64", "train.lr=0.2",
+    "server.strategy=fedbuff", "server.concurrency=4", "server.buffer_size=2", "server.eval_every=2",
+    "privacy.local_dp.enabled=true", "privacy.local_dp.epsilon=3.0", "privacy.local_dp.planned_tasks=3",
+    "privacy.overrides=[{clients: '3', epsilon: 1.5}]",
+]
+BUDGET = {0: 3.0, 1: 3.0, 2: 3.0, 3: 1.5}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _fresh_eps(name: str, history, delta: float) -> float:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        acc = create_accountant(mechanism=name)
+    acc.load_state_dict({"history": [tuple(h) for h in history], "mechanism": name})
+    return acc.get_epsilon(delta)
+
+
+def _run(sets, store_dir, resume_run_id=None):
+    from fedasync.server.loop import AsyncServer, LocalTransport
+    from fedasync.store import default_sqlite_url
+
+    cfg = load_config(None, sets)
+    store_dir.mkdir(parents=True, exist_ok=True)
+    store = Store(default_sqlite_url(store_dir))
+    try:
+        return AsyncServer(cfg, LocalTransport(), store, resume_run_id=resume_run_id).run()
+    finally:
+        store.close()
+
+
+@pytest.fixture(scope="module")
+def dp_run(tmp_path_factory):
+    """One CLI run whose budgets all run out (shared by several tests)."""
+    out = tmp_path_factory.mktemp("dp") / "run"
+    args = ["simulate", "--backend", "local", "--out", str(out)]
+    for s in SMALL:
+        args += ["--set", s]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    summary = json.loads((out / "summary.json").read_text())
+    return out, summary
+
+
+def test_summary_reports_privacy_and_the_run_stops_when_budgets_run_out(dp_run):
+    out, s = dp_run
+    p = s["privacy"]
+    assert s["stop_reason"] == "no_client_can_train"
+    assert p["accountant"] == "rdp" and p["delta"] == 1e-5
+    assert p["clients_exhausted"] == 4 and p["clients_trained"] == 4
+    assert 1.5 < p["epsilon_max"] <= 3.0
+    store = Store(f"sqlite:///{out / 'fedasync.db'}")
+    eps = [c.epsilon for c in store.clients(s["run_id"])]
+    assert p["epsilon_max"] == max(eps)
+    assert p["epsilon_mean"] == pytest.approx(sum(eps) / len(eps), abs=1e-12)
+    store.close()
+
+
+def test_every_epsilon_recomputes_from_the_recorded_history(dp_run):
+    out, s = dp_run
+    store = Store(f"sqlite:///{out / 'fedasync.db'}")
+    run_id = s["run_id"]
+    clients = store.clients(run_id)
+    for c in clients:
+        st = json.loads(c.accountant_state)
+        assert st["accountant"] == "rdp"
+        assert abs(_fresh_eps("rdp", st["history"], 1e-5) - c.epsilon) <= 1e-9
+    # every privacy_spend row: epsilon after that task from the steps recorded so far
+    steps_so_far: dict[int, int] = {}
+    updates = {u.task_id: u for u in store.updates(run_id)}
+    rows = store.privacy_spend(run_id)
+    assert len(rows) == len(updates) > 0
+    for r in rows:
+        steps_so_far[r.client_id] = steps_so_far.get(r.client_id, 0) + r.steps
+        hist = [(r.noise_multiplier, r.sample_rate, steps_so_far[r.client_id])]
+        assert abs(_fresh_eps(r.accountant, hist, r.delta) - r.epsilon) <= 1e-9
+        assert updates[r.task_id].epsilon == r.epsilon  # recorded per update too
+    for c in clients:
+        assert json.loads(c.accountant_state)["history"][0][2] == steps_so_far[c.client_id]
+    store.close()
+
+
+def test_no_client_exceeds_its_budget_and_exhausted_clients_get_no_more_tasks(dp_run, caplog):
+    out, s = dp_run
+    store = Store(f"sqlite:///{out / 'fedasync.db'}")
+    run_id = s["run_id"]
+    for r in store.privacy_spend(run_id):
+        assert r.epsilon <= BUDGET[r.client_id]
+    dispatches = store.dispatches(run_id)
+    for c in store.clients(run_id):
+        assert c.exhausted and c.exhausted_reason == "privacy_budget_exhausted"
+        assert c.tasks_done == 3  # sigma was calibrated for exactly the planned tasks
+        mine = [d for d in dispatches if d.client_id == c.client_id]
+        refused = [d for d in mine if d.status == "refused"]
+        assert len(refused) == 1 and refused[0].task_id == mine[-1].task_id  # nothing after the refusal
+        assert [d.status for d in mine[:-1]] == ["replied"] * 3
+    store.close()
+
+
+def test_report_json_exposes_the_same_history(dp_run):
+    out, s = dp_run
+    res = runner.invoke(app, ["privacy", "report", "--store", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.output)
+    store = Store(f"sqlite:///{out / 'fedasync.db'}")
+    by_id = {c.client_id: c for c in store.clients(s["run_id"])}
+    store.close()
+    assert sorted(r["client"] for r in rows) == [0, 1, 2, 3]
+    for r in rows:
+        c = by_id[r["client"]]
+        assert r["history"] == json.loads(c.accountant_state)["history"]
+        assert r["epsilon"] == c.epsilon and r["delta"] == 1e-5 and r["accountant"] == "rdp"
+        assert r["epsilon_budget"] == BUDGET[r["client"]] and r["exhausted"] is True
+        assert abs(_fresh_eps("rdp", r["history"], r["delta"]) - r["epsilon"]) <= 1e-9
+    table = runner.invoke(app, ["privacy", "report", "--store", str(out / "fedasync.db")])
+    assert table.exit_code == 0 and "4 of 4 clients exhausted" in table.output
+    bad = runner.invoke(app, ["privacy", "report", "--store", str(out / "nope.db")])
+    assert bad.exit_code == 2 and "no database" in bad.output
+
+
+def test_dp_run_is_deterministic_for_config_and_seed(dp_run, tmp_path, caplog):
+    _, s = dp_run
+    with caplog.at_level(logging.WARNING, logger="fedasync"):
+        again = _run(SMALL, tmp_path / "a")
+    assert again["model_sha256"] == s["model_sha256"]
+    assert again["privacy"]["epsilon_max"] == s["privacy"]["epsilon_max"]
+    assert any("all 4 clients have exhausted their privacy budget" in r.getMessage() for r in caplog.records)
+    other = _run(SMALL + ["seed=1"], tmp_path / "b")
+    assert other["model_sha256"] != s["model_sha256"]
+
+
+def test_resumed_run_continues_each_accountant(tmp_path):
+    sets = SMALL + ["server.max_versions=2"]
+    first = _run(sets, tmp_path)
+    store = Store(f"sqlite:///{tmp_path / 'fedasync.db'}")
+    before = {c.client_id: json.loads(c.accountant_state)["history"] if c.accountant_state else []
+              for c in store.clients(first["run_id"])}
+    store.close()
+    assert any(before.values())
+    second = _run(SMALL, tmp_path, resume_run_id=first["run_id"])  # no version cap: budgets run out
+    assert second["stop_reason"] == "no_client_can_train"
+    store = Store(f"sqlite:///{tmp_path / 'fedasync.db'}")
+    for c in store.clients(first["run_id"]):
+        hist = json.loads(c.accountant_state)["history"]
+        assert hist[0][2] == 3 * c.tasks_done == 9  # never reset: 3 tasks of 3 steps over both parts
+        assert c.epsilon <= BUDGET[c.client_id]
+    store.close()
+
+
+def test_central_dp_is_accounted_per_aggregation(tmp_path):
+    sets = SMALL + ["privacy.central_dp.enabled=true", "privacy.central_dp.noise_multiplier=0.8",
+                    "privacy.central_dp.clip=0.5"]
+    s = _run(sets, tmp_path)
+    c = s["privacy"]["central_dp"]
+    assert c["releases"] == s["versions"] > 0
+    assert c["sample_rate"] == 2 / 4  # K / num_clients
+    assert "K / num_clients" in c["sampling_assumption"]
+    assert abs(c["epsilon"] - _fresh_eps("rdp", [(0.8, 0.5, s["versions"])], 1e-5)) <= 1e-9
+    store = Store(f"sqlite:///{tmp_path / 'fedasync.db'}")
+    rows = store.privacy_spend(s["run_id"])
+    server_rows = [r for r in rows if r.client_id == -1]
+    assert sum(r.steps for r in server_rows) == s["versions"]
+    assert len(rows) - len(server_rows) == s["updates_received"]  # client rows recorded alongside
+    store.close()
+    res = runner.invoke(app, ["privacy", "report", "--store", str(tmp_path), "--json"])
+    central = [r for r in json.loads(res.output) if r["client"] == -1]
+    assert central and central[0]["history"] == [[0.8, 0.5, s["versions"]]]
+
+
+def test_plan_prints_groups_and_the_central_assumption():
+    res = runner.invoke(app, ["privacy", "plan", "examples/privacy.yaml", "--json"])
+    if res.exit_code != 0:  # the packaged path works from any directory
+        from fedasync.config import packaged_example
+
+        res = runner.invoke(app, ["privacy", "plan", str(packaged_example("privacy")), "--json"])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.output)
+    groups = plan["local_dp"]
+    assert [g["clients"] for g in groups] == ["0-7", "8-9"]
+    for g in groups:
+        eps = list(g["epsilon_after"].values())
+        assert eps == sorted(eps) and eps[-1] <= g["epsilon_budget"]
+        assert list(g["epsilon_after"]) == ["1", "20", "40"]
+    from fedasync.config import packaged_example
+
+    path = str(packaged_example("privacy"))
+    text = runner.invoke(app, ["privacy", "plan", path, "--set", "privacy.central_dp.enabled=true"])
+    assert text.exit_code == 0, text.output
+    assert "q = K / num_clients" in " ".join(text.output.split())
+    off = runner.invoke(app, ["privacy", "plan"])
+    assert off.exit_code == 2 and "nothing to plan" in off.output
+    low = runner.invoke(app, ["privacy", "plan", path, "--set", "privacy.local_dp.epsilon=0.0001"])
+    assert low.exit_code == 2 and "cannot calibrate noise" in low.output
