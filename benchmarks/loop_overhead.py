@@ -1,0 +1,131 @@
+"""Updates per second of the fedasync loop vs a bare Flower push/pull loop, same engine.
+
+Both loops run inside one start of Flower's simulation engine, against the same no-op
+ClientApp (it echoes the model back), keeping the same number of tasks in flight. The bare
+loop pushes a message whenever one comes back and does nothing else; the fedasync loop does
+everything it does in a real run (virtual clock ordering, validation, FedBuff, the SQLite
+store with one transaction per reply) except evaluation.
+
+    python benchmarks/loop_overhead.py [--updates 1500] [--concurrency 20] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+from flwr.simulation import run_simulation
+
+from fedasync.config import load_config
+from fedasync.server.app import GridTransport
+from fedasync.server.loop import AsyncServer
+from fedasync.store import Store
+from fedasync.wire import record_to_params, reply_content, task_content
+
+noop = ClientApp()
+
+
+@noop.train()
+def _echo(msg: Message, context: Context) -> Message:
+    params = record_to_params(msg.content["params"])
+    return Message(reply_content({"params": params, "metrics": {"num_examples": 1, "loss": 0.0}}), reply_to=msg)
+
+
+def bare_loop(grid: Grid, nodes: list[int], params, n_updates: int, concurrency: int) -> float:
+    sent = 0
+
+    def push(k: int) -> list[str]:
+        nonlocal sent
+        # round-robin over the nodes: a node runs one message at a time
+        msgs = [Message(task_content(params, {"task_id": sent + i}), dst_node_id=nodes[(sent + i) % len(nodes)],
+                        message_type="train") for i in range(k)]
+        sent += k
+        return list(grid.push_messages(msgs))
+
+    t0 = time.perf_counter()
+    outstanding = set(push(concurrency))
+    done = 0
+    while done < n_updates:
+        replies = list(grid.pull_messages(list(outstanding)))
+        for r in replies:
+            outstanding.discard(r.metadata.reply_to_message_id)
+            done += 1
+        if replies:
+            outstanding.update(push(min(len(replies), max(0, n_updates - done - len(outstanding)))))
+        else:
+            time.sleep(0.005)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--updates", type=int, default=1500)
+    ap.add_argument("--concurrency", type=int, default=20)
+    ap.add_argument("--clients", type=int, default=100)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = ap.parse_args()
+    k = 10
+    cfg = load_config(None, [f"data.num_clients={args.clients}", f"server.concurrency={args.concurrency}",
+                             f"server.buffer_size={k}", f"server.max_versions={args.updates // k}",
+                             "server.max_virtual_time=null", "server.eval_every=1000000",
+                             "server.poll_interval=0.005"])
+    result: dict = {}
+
+    server_app = ServerApp()
+
+    @server_app.main()
+    def _main(grid: Grid, context: Context) -> None:
+        try:
+            transport = GridTransport(grid)
+            nodes = transport.wait_for_nodes(args.clients)
+            from fedasync.task.models import init_params
+
+            from fedasync.task.data import load_federated
+
+            fed = load_federated(cfg.data, cfg.seed)
+            params = init_params(cfg.model, fed.input_shape, fed.num_classes, cfg.seed)
+            bare_loop(grid, nodes, params, 100, args.concurrency)  # warm the actors
+            t_bare = bare_loop(grid, nodes, params, args.updates, args.concurrency)
+            with tempfile.TemporaryDirectory() as d:
+                store = Store(f"sqlite:///{d}/bench.db")
+                server = AsyncServer(cfg, transport, store, clock="virtual",
+                                     node_for_client=lambda c: nodes[c % len(nodes)])
+                t0 = time.perf_counter()
+                s = server.run()
+                t_fed = time.perf_counter() - t0
+            result.update({
+                "updates": args.updates, "concurrency": args.concurrency, "clients": args.clients,
+                "bare_flower_updates_per_s": args.updates / t_bare,
+                "fedasync_updates_per_s": s["updates_received"] / t_fed,
+                "fedasync_updates": s["updates_received"],
+            })
+            result["ratio_fedasync_over_bare"] = result["fedasync_updates_per_s"] / result["bare_flower_updates_per_s"]
+        except BaseException as e:  # report errors from the engine's thread
+            result["error"] = repr(e)
+
+    import logging
+
+    logging.getLogger("flwr").setLevel(logging.ERROR)
+    cpus = os.cpu_count() or 1
+    run_simulation(server_app=server_app, client_app=noop, num_supernodes=args.clients,
+                   backend_config={"client_resources": {"num_cpus": cpus / 2, "num_gpus": 0.0},
+                                   "init_args": {"num_cpus": cpus, "include_dashboard": False}})
+    if "error" in result:
+        raise SystemExit(f"benchmark failed: {result['error']}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "loop_overhead.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"bare Flower push/pull: {result['bare_flower_updates_per_s']:.1f} updates/s")
+    print(f"fedasync loop:         {result['fedasync_updates_per_s']:.1f} updates/s")
+    print(f"ratio fedasync/bare:   {result['ratio_fedasync_over_bare']:.2f}")
+    print(f"wrote {args.out / 'loop_overhead.json'}")
+
+
+if __name__ == "__main__":
+    main()
