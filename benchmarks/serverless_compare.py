@@ -1,0 +1,187 @@
+"""Server vs server-less on one scenario: time to the target accuracy for fedbuff (server), the
+FLchain ledger, and gossip on a ring and on the exponential graph.
+
+The scenario is the quickstart (digits, Dirichlet 0.5, MLP, log-normal speed profiles) with
+``--peers`` clients/peers (default 16) and ``server.concurrency`` = peers, so the server keeps
+every client busy as the peers keep themselves busy. Each variant runs through its own CLI
+command (printed in the report):
+
+- virtual clock (deterministic, comparable with ``fedasync simulate``): ``fedasync simulate
+  --backend local``, ``fedasync ledger run --virtual``, ``fedasync gossip run --virtual``;
+- with ``--wall``, also the multi-process modes: ``fedasync ledger|gossip run --emulate-speeds``
+  (one process per peer; each peer sleeps its profile's task duration x ``clock.time_scale``),
+  reporting wall-clock seconds from the moment every peer was ready.
+
+    python benchmarks/serverless_compare.py                 # virtual clock only (about 2 min here)
+    python benchmarks/serverless_compare.py --wall          # plus peer processes (several minutes)
+
+Writes ``benchmarks/results/serverless_compare.{json,md}`` and the section between
+``<!-- serverless:begin -->`` and ``<!-- serverless:end -->`` of ``benchmarks/README.md``
+(appended if absent; nothing else in that file is touched).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- serverless:begin -->", "<!-- serverless:end -->"
+
+
+def run_cmd(args: list[str], out: Path) -> tuple[dict, float]:
+    """``fedasync ARGS --out OUT``; its summary.json and wall seconds."""
+    t0 = time.time()
+    res = subprocess.run([sys.executable, "-m", "fedasync", *args, "--out", str(out)], cwd=ROOT,
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"failed: fedasync {shlex.join(args)}\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    import yaml
+
+    summary.setdefault("buffer_size", yaml.safe_load((out / "config.yaml").read_text())["server"]["buffer_size"])
+    return summary, time.time() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--peers", type=int, default=16)
+    ap.add_argument("--wall", action="store_true", help="also run the multi-process modes (wall clock)")
+    ap.add_argument("--time-scale", type=float, default=1.0, help="clock.time_scale for --emulate-speeds")
+    ap.add_argument("--wall-budget", type=float, default=300.0, help="server.max_wall_time of a process run")
+    ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--readme", type=Path, default=ROOT / "benchmarks" / "README.md")
+    a = ap.parse_args(argv)
+    n = a.peers
+    common = ["--set", f"data.num_clients={n}", "--set", f"server.concurrency={n}"]
+    virtual = [
+        ("fedbuff (server)", "fedbuff", ["simulate", "--backend", "local", *common,
+                                          "--set", "server.stop_at_target=true"]),
+        ("ledger (FLchain)", "ledger", ["ledger", "run", "--virtual", "--peers", str(n), *common]),
+        ("gossip, ring", "gossip-ring", ["gossip", "run", "--virtual", "--peers", str(n), "--topology", "ring",
+                                        *common]),
+        ("gossip, exponential", "gossip-exponential", ["gossip", "run", "--virtual", "--peers", str(n),
+                                                      "--topology", "exponential", *common]),
+    ]
+    emul = ["--emulate-speeds", "--set", f"clock.time_scale={a.time_scale}",
+            "--set", f"server.max_wall_time={a.wall_budget}"]
+    wall = {
+        "ledger": ["ledger", "run", "--peers", str(n), *common, *emul],
+        "gossip-ring": ["gossip", "run", "--peers", str(n), "--topology", "ring", *common, *emul],
+        "gossip-exponential": ["gossip", "run", "--peers", str(n), "--topology", "exponential", *common, *emul],
+    }
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fedasync-serverless-") as tmp:
+        for label, key, args in virtual:
+            print(f"[virtual] fedasync {shlex.join(args)}", flush=True)
+            s, secs = run_cmd(args, Path(tmp) / key)
+            row = {"variant": label, "key": key, "command": "fedasync " + shlex.join(args),
+                   "target": s["target_accuracy"], "virtual_time_to_target_s": s["time_to_target_s"],
+                   "updates_to_target": _updates_to_target(s), "final_accuracy": s["final_accuracy"],
+                   "model_sha256": s["model_sha256"], "run_wall_s": round(secs, 1)}
+            if key.startswith("gossip"):
+                row["min_peer_accuracy_final"] = s["final_min_peer_accuracy"]
+                row["consensus_distance_final"] = s["consensus_distance"]["final"]
+                row["spectral_gap"] = s["spectral_gap"]
+            if a.wall and key in wall:
+                print(f"[wall]    fedasync {shlex.join(wall[key])}", flush=True)
+                w, _ = run_cmd(wall[key], Path(tmp) / f"{key}-wall")
+                row.update({"wall_command": "fedasync " + shlex.join(wall[key]),
+                            "wall_time_to_target_s": w["time_to_target_s"], "wall_stop_reason": w["stop_reason"],
+                            "wall_final_accuracy": w["final_accuracy"]})
+            rows.append(row)
+            print(f"          -> {row['virtual_time_to_target_s']} virtual s to {row['target']}", flush=True)
+    md = render(rows, n, a)
+    a.results.mkdir(parents=True, exist_ok=True)
+    (a.results / "serverless_compare.json").write_text(json.dumps({"peers": n, "rows": rows}, indent=2) + "\n")
+    (a.results / "serverless_compare.md").write_text(md)
+    update_readme(a.readme, md)
+    print(md)
+    return 0
+
+
+def _updates_to_target(s: dict) -> int | None:
+    """Local trainings done when the target was first reached (server: K per version)."""
+    t = s.get("time_to_target_s")
+    if t is None:
+        return None
+    h = next(h for h in s["history"] if h.get("virtual_time_s", h.get("time_s")) == t)
+    if "events" in h:
+        return int(h["events"])
+    return int(h["version"]) * int(s["buffer_size"])
+
+
+def _fmt(x, digits=1) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def render(rows: list[dict], n: int, a) -> str:
+    wall = any("wall_time_to_target_s" in r for r in rows)
+    lines = [
+        BEGIN,
+        "## Server-less variants: time to 90 % on the same scenario",
+        "",
+        f"Quickstart scenario (digits, Dirichlet α = 0.5, MLP, log-normal speeds, seed 0) with {n} clients / peers; "
+        f"the server keeps all {n} busy (`server.concurrency={n}`, FedBuff K = 10). Virtual seconds come from the "
+        "deterministic modes (the same speed profiles and task durations as `fedasync simulate`); "
+        "local trainings = updates the learners had made when the target was first measured; for gossip, "
+        "the accuracy is the average model's, and the worst peer's own model is shown beside it.",
+        "",
+        "| variant | virtual s to 90 % | local trainings to 90 % | final acc. | worst peer acc. |"
+        + (" wall s to 90 % (peer processes) |" if wall else ""),
+        "|---|---:|---:|---:|---:|" + ("---:|" if wall else ""),
+    ]
+    for r in rows:
+        line = (f"| {r['variant']} | {_fmt(r['virtual_time_to_target_s'])} | {r['updates_to_target'] or '—'} | "
+                f"{_fmt(r['final_accuracy'], 3)} | {_fmt(r.get('min_peer_accuracy_final'), 3)} |")
+        if wall:
+            line += f" {_fmt(r.get('wall_time_to_target_s')) if 'wall_command' in r else 'n/a'} |"
+        lines.append(line)
+    led = next((r for r in rows if r["key"] == "ledger"), None)
+    srv = next((r for r in rows if r["key"] == "fedbuff"), None)
+    lines += ["", "Notes:", ""]
+    if led and srv:
+        same = led["model_sha256"] == srv["model_sha256"]
+        lines.append(f"- The ledger in virtual time {'is' if same else 'is NOT'} the FedBuff server's computation: "
+                     f"final model sha256 {'identical' if same else 'differs'} ({led['model_sha256'][:16]}…); the "
+                     "ledger adds signed, auditable blocks (`fedasync ledger verify` recomputes every aggregate).")
+    for r in rows:
+        if r["key"].startswith("gossip"):
+            lines.append(f"- {r['variant']}: spectral gap {r['spectral_gap']:.3g}, final consensus distance "
+                         f"{r['consensus_distance_final']:.3g}; accuracy is the average model's.")
+    if wall:
+        lines.append(f"- Wall-clock: one process per peer on this machine (2 CPU cores), `--emulate-speeds` with "
+                     f"`clock.time_scale={a.time_scale}` (a peer sleeps its task's virtual duration x "
+                     f"{a.time_scale}), counted from the moment every peer was ready. The server row has no "
+                     "wall-clock figure: `simulate --backend local` runs its clients one after another.")
+    lines += ["", "Commands (virtual clock):", "", "```"]
+    lines += [r["command"] for r in rows]
+    if wall:
+        lines += ["# peer processes"] + [r["wall_command"] for r in rows if "wall_command" in r]
+    lines += ["```", "", f"Made by `python benchmarks/serverless_compare.py{' --wall' if wall else ''}` "
+              f"({time.strftime('%Y-%m-%d')}).", END, ""]
+    return "\n".join(lines)
+
+
+def update_readme(path: Path, section: str) -> None:
+    text = path.read_text() if path.exists() else "# fedasync benchmarks\n\n"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        _, tail = rest.split(END, 1)
+        text = head + section.rstrip("\n") + tail
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

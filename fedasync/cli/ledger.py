@@ -1,0 +1,266 @@
+"""``fedasync ledger``: FLchain, a ledger of signed updates in the store that anyone can audit."""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+import typer
+from rich.table import Table
+
+from fedasync.cli.common import console, fail, load_or_exit, progress_bars, quiet_flower
+
+STORE_HELP = "SQLAlchemy URL of the store (SQLite for one machine, postgresql+psycopg://... for many)."
+
+
+def register(app: typer.Typer) -> None:
+    group = typer.Typer(name="ledger", no_args_is_help=True, add_completion=False,
+                        help="FLchain: peers append signed update and aggregate blocks to a ledger in the store.")
+    group.command("run")(run)
+    group.command("peer")(peer)
+    group.command("verify")(verify)
+    group.command("show")(show)
+    app.add_typer(group, name="ledger")
+
+
+# -- shared with ``fedasync gossip`` ------------------------------------------------------------------
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Bad input or state -> one line on stderr, exit 2."""
+    from fedasync.config import ConfigError
+    from fedasync.privacy.budgets import PrivacyError
+    from fedasync.serverless.common import ServerlessError
+    from fedasync.serverless.flchain import ChainError
+    from fedasync.signing import SigningKeyError
+
+    try:
+        yield
+    except (ConfigError, ServerlessError, ChainError, PrivacyError, SigningKeyError, FileExistsError) as e:
+        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+
+def prepare(config: Optional[str], set_: list[str], peers: Optional[int], out: Optional[Path],
+            time_budget: Optional[float], virtual: bool, kind: str):
+    """The config for N peers, and the output directory (new, empty)."""
+    from fedasync.config import ConfigError, apply_overrides, config_from_dict, packaged_example, read_yaml
+    from fedasync.outputs import new_run_dir
+    from fedasync.serverless.common import config_for_peers
+
+    # server.concurrency means nothing without a server, and server.buffer_size means nothing to
+    # gossip: cap them at the number of peers before validating (so `--set data.num_clients=6` works)
+    try:
+        raw = apply_overrides(read_yaml(config or packaged_example("quickstart")), set_)
+        data, srv = raw.get("data"), raw.get("server")
+        n = peers or (data.get("num_clients", 100) if isinstance(data, dict) else None)
+        if isinstance(n, int) and isinstance(srv, dict):
+            caps = {"concurrency": 20, "buffer_size": 10} if kind == "gossip" else {"concurrency": 20}
+            for key, default in caps.items():
+                if isinstance(srv.get(key, default), int):
+                    srv[key] = min(srv.get(key, default), n)
+        cfg = config_from_dict(raw)
+    except ConfigError as e:
+        fail(str(e))
+    with user_errors():
+        cfg = config_for_peers(cfg, peers, kind)
+    if time_budget is not None:
+        if time_budget <= 0:
+            fail(f"--time-budget: must be > 0, got {time_budget}")
+        key = "max_virtual_time" if virtual else "max_wall_time"
+        cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={key: float(time_budget)})})
+    if out is not None and out.exists() and any(out.iterdir()):
+        fail(f"--out: {out} exists and is not empty")
+    if out is None:
+        out = new_run_dir(Path("runs"), f"{cfg.name}-{kind}")
+    out.mkdir(parents=True, exist_ok=True)
+    return cfg, out
+
+
+class Bar:
+    """A progress bar over steps (or time) with accuracy."""
+
+    def __init__(self, bars, label: str, what: str):
+        self.bars, self.what = bars, what
+        self.task = bars.add_task(label, total=None, info="")
+
+    def __call__(self, ev: dict) -> None:
+        total = ev.get("max_steps") or ev.get("max_time")
+        done = ev["version"] if ev.get("max_steps") else ev["time_s"]
+        info = f"{self.what}={ev['version']}  t={ev['time_s']:.1f}s"
+        if ev.get("accuracy") is not None:
+            info += f"  acc={ev['accuracy']:.3f}"
+        if ev.get("consensus_distance") is not None:
+            info += f"  consensus={ev['consensus_distance']:.3g}"
+        self.bars.update(self.task, total=total, completed=done, info=info)
+
+
+def summary_table(s: dict, title: str, rows: list[tuple[str, str]]) -> Table:
+    t = Table(title=title)
+    t.add_column("")
+    t.add_column("", justify="right")
+    ttt = s.get("time_to_target_s")
+    clock = "virtual" if s.get("clock") == "virtual" else "wall-clock"
+    base = [("run", str(s["run_id"])), ("peers", str(s["num_peers"])), ("stop reason", str(s["stop_reason"])),
+            ("final accuracy", _f(s["final_accuracy"])), ("best accuracy", _f(s["best_accuracy"])),
+            (f"time to {s['target_accuracy']} ({clock} s)", "-" if ttt is None else f"{ttt:.2f}"),
+            ("wall s", f"{s['wall_time_s']:.1f}")]
+    if s.get("virtual_time_s") is not None:
+        base.insert(5, ("virtual s", f"{s['virtual_time_s']:.2f}"))
+    for k, v in base + rows:
+        t.add_row(k, v)
+    return t
+
+
+def _f(x) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def default_store(store: Optional[str], out: Path) -> str:
+    from fedasync.store import default_sqlite_url
+
+    return store or default_sqlite_url(out)
+
+
+def write_and_print(out: Path, cfg, summary: dict, columns: list[str], extra_plot: str | None, title: str,
+                    rows: list[tuple[str, str]]) -> None:
+    from fedasync.serverless.common import write_outputs
+
+    paths = write_outputs(out, cfg, summary, columns, extra_plot)
+    console.print(summary_table(summary, title, rows))
+    console.print("wrote " + ", ".join(str(p) for p in paths.values()) + f"; store {summary['store_url']}")
+
+
+# -- commands -----------------------------------------------------------------------------------------
+
+
+def run(
+    config: Optional[str] = typer.Argument(None, help="YAML config (default: the packaged quickstart)."),
+    peers: Optional[int] = typer.Option(None, "--peers", help="Number of peers (default: data.num_clients); "
+                                        "peer i holds partition i of data.num_clients = N."),
+    store: Optional[str] = typer.Option(None, "--store", help=STORE_HELP + " Default: <out>/fedasync.db."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default runs/<name>-ledger-<time>/)."),
+    set_: list[str] = typer.Option([], "--set", help="Override a key: --set server.buffer_size=4 (repeatable)."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1,
+                                            help="Stop after this many aggregate blocks (default: server.max_versions)."),
+    time_budget: Optional[float] = typer.Option(None, "--time-budget", help="Stop after this many seconds "
+                                                "(wall clock; virtual with --virtual)."),
+    emulate_speeds: bool = typer.Option(False, "--emulate-speeds", help="Peer i sleeps its task duration (speed "
+                                        "profile) x clock.time_scale per task."),
+    virtual: bool = typer.Option(False, "--virtual", help="Deterministic in-process mode on the virtual clock "
+                                 "(the same peer code, driven by the simulator)."),
+    spawn: Optional[int] = typer.Option(None, "--spawn", min=0, help="Start only peers 0..M-1 here (default: all); "
+                                        "the others join from other machines with `peer --run-id`."),
+) -> None:
+    """Start N peer processes appending to one ledger; stop at the target, the time budget or --max-steps."""
+    from fedasync.serverless.common import open_store
+
+    cfg, out = prepare(config, set_, peers, out, time_budget, virtual, "ledger")
+    url = default_store(store, out)
+    quiet_flower(False)
+    t0 = time.time()
+    with user_errors(), progress_bars() as bars:
+        bar = Bar(bars, f"ledger ({cfg.data.num_clients} peers{', virtual' if virtual else ''})", "aggregates")
+        if virtual:
+            from fedasync.serverless.sim import simulate_ledger
+
+            summary = simulate_ledger(cfg, open_store(url), max_steps=max_steps, progress=bar)
+        else:
+            from fedasync.serverless.runner import run_ledger
+
+            summary = run_ledger(cfg, url, cfg.data.num_clients, out, max_steps=max_steps, emulate=emulate_speeds,
+                                 progress=bar, spawn_peers=spawn)
+    rows = [("aggregate blocks", str(summary["aggregate_blocks"])), ("update blocks", str(summary["update_blocks"])),
+            ("pending", str(summary["pending"])), ("height conflicts (retried)", str(summary["height_conflicts"])),
+            ("head", summary["head_hash"][:16])]
+    if summary.get("peer_exit_codes") and any(c not in (0, None) for c in summary["peer_exit_codes"]):
+        rows.append(("peer exit codes", str(summary["peer_exit_codes"])))
+    write_and_print(out, cfg, summary, ["version", "height", "time_s", "accuracy", "loss"], None,
+                    f"{cfg.name}: ledger (seed {cfg.seed})", rows)
+    console.print(f"verify with: fedasync ledger verify --store {url} --run-id {summary['run_id']}")
+    console.print(f"done in {time.time() - t0:.1f} s")
+
+
+def peer(
+    config: Optional[str] = typer.Argument(None, help="YAML config; must agree with the run's (default: the run's own)."),
+    store: str = typer.Option(..., "--store", help=STORE_HELP),
+    peer_id: int = typer.Option(..., "--peer-id", help="This peer's id (0..N-1): its partition and speed profile."),
+    run_id: Optional[int] = typer.Option(None, "--run-id", help="The ledger run to join (default: the newest running)."),
+    key: Optional[Path] = typer.Option(None, "--key", help="Ed25519 private key (PEM); created if missing "
+                                       "(default ./fedasync-keys/peer-<ID>.key)."),
+    set_: list[str] = typer.Option([], "--set", help="Override a key of CONFIG (repeatable)."),
+    emulate_speeds: bool = typer.Option(False, "--emulate-speeds", help="Sleep per this peer's speed profile."),
+) -> None:
+    """Run one ledger peer against a shared store until the run stops."""
+    from fedasync.serverless.common import find_run, open_store
+    from fedasync.serverless.runner import ledger_peer_loop
+
+    given = load_or_exit(config, set_) if config else None
+    with user_errors():
+        st = open_store(store)
+        rid = find_run(st, "ledger", run_id, running_only=run_id is None)
+        res = ledger_peer_loop(st, rid, peer_id, key or Path("fedasync-keys") / f"peer-{peer_id}.key", given,
+                               emulate=emulate_speeds)
+    console.print(json.dumps(res))
+
+
+def verify(
+    store: str = typer.Option("sqlite:///fedasync.db", "--store", help=STORE_HELP),
+    run_id: Optional[int] = typer.Option(None, "--run-id", help="The ledger run (default: the newest)."),
+) -> None:
+    """Re-check every hash link, signature and payload hash, and recompute every aggregate; exit 1 on the first bad block."""
+    from fedasync.serverless.common import find_run, open_store
+    from fedasync.serverless.flchain import verify_chain
+
+    with user_errors():
+        st = open_store(store, must_exist=True)
+        rid = find_run(st, "ledger", run_id)
+        report = verify_chain(st, rid)
+    if report.ok:
+        console.print(report.line(), highlight=False)
+        return
+    console.print(report.line(), highlight=False, style="red")
+    raise typer.Exit(1)
+
+
+def show(
+    store: str = typer.Option("sqlite:///fedasync.db", "--store", help=STORE_HELP),
+    run_id: Optional[int] = typer.Option(None, "--run-id", help="The ledger run (default: the newest)."),
+    all_models: bool = typer.Option(False, "--all", help="List every model block, not only the evaluated ones."),
+) -> None:
+    """The chain's head, counts per kind, per-peer contributions and the accuracy of each evaluated model block."""
+    from fedasync.serverless.common import find_run, open_store, run_info
+    from fedasync.serverless.flchain import chain_overview
+
+    with user_errors():
+        st = open_store(store, must_exist=True)
+        rid = find_run(st, "ledger", run_id)
+        ov = chain_overview(st, rid)
+        info = run_info(st, rid)
+    c = ov["counts"]
+    console.print(f"[bold]ledger of run {rid}[/bold] ({info.status}, {info.clock} clock): height {ov['height']}, "
+                  f"head {ov['head_kind']} {ov['head_hash'][:16]}; blocks: genesis {c['genesis']}, update "
+                  f"{c['update']}, aggregate {c['aggregate']}; {ov['pending']} update(s) pending", highlight=False)
+    r = ov["rule"]
+    console.print(f"rule: fedbuff K={r['buffer_size']} server_lr={r['server_lr']} staleness={r['staleness']['fn']}"
+                  f"(a={r['staleness']['a']}, b={r['staleness']['b']}) weighting={r['weighting']} "
+                  f"max_aggregates={r['max_aggregates']}", highlight=False)
+    t = Table(title="per-peer contributions")
+    for col in ("peer", "key", "update blocks", "aggregate blocks"):
+        t.add_column(col, justify="right" if col != "key" else "left")
+    for p, d in sorted(ov["peers"].items(), key=lambda kv: (len(kv[0]), kv[0])):
+        t.add_row(p, d["key"], str(d["update"]), str(d["aggregate"]))
+    console.print(t)
+    m = Table(title="model blocks" + ("" if all_models else " (evaluated)"))
+    for col in ("model", "height", "updates", "created (s after start)", "accuracy", "loss"):
+        m.add_column(col, justify="right")
+    t0 = ov["started"] if ov["started"] is not None else (ov["models"][0]["created"] if ov["models"] else 0.0)
+    for row in ov["models"]:
+        if row["accuracy"] is None and not all_models:
+            continue
+        m.add_row(str(row["model_index"]), str(row["height"]), str(row["updates"]), f"{row['created'] - t0:+.2f}s",
+                  _f(row["accuracy"]), _f(row["loss"]))
+    console.print(m)

@@ -1,0 +1,408 @@
+"""Peers as processes, on one machine or many, against one store.
+
+``run_ledger`` / ``run_gossip`` (``fedasync ledger run`` / ``fedasync gossip run``) create the
+run in the store (status ``starting``), start ``spawn`` peer processes here (each ``python -m
+fedasync ledger|gossip peer ... --peer-id i``, for ``i < spawn``; the other peers of the run join
+from elsewhere with the same command), start the run once all ``N`` peers have registered as
+ready, and monitor it: they evaluate models as they appear and stop the run (``runs.status``)
+at the target accuracy, the time budget (``server.max_wall_time``) or ``--max-steps``. At the
+end they stop every process they started, by PID, in ``finally`` (wait, SIGTERM, SIGKILL).
+
+``ledger_peer_loop`` / ``gossip_peer_loop`` (``fedasync ledger|gossip peer``) are one peer. A peer
+stops when the run is no longer ``running``, at the run's ``max_steps``, at its time budget, or
+when its privacy budget is exhausted; it leaves its counts in ``serverless_peers``.
+
+Times are wall-clock seconds since the run started (every peer ready). ``--emulate-speeds``
+makes each peer sleep ``task_duration x clock.time_scale`` per task (its speed profile), so
+stragglers show in wall-clock time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+from fedasync.config import Config
+from fedasync.serverless.common import (
+    PeerPrivacy,
+    PeerTask,
+    ServerlessError,
+    check_serverless,
+    close_peer,
+    open_store,
+    peers as peer_rows,
+    ready_count,
+    register_peer,
+    run_info,
+    run_status,
+    set_starting,
+    spawn,
+    start_run,
+    started_at,
+    stop_processes,
+    stop_run,
+    wait_for_start,
+)
+from fedasync.store import Store
+
+log = logging.getLogger("fedasync.serverless")
+
+Progress = Callable[[dict], None]
+POLL_S = 0.2
+WARMUP_TASK = 2**31 - 1  # a task id no real task uses (the warm-up result is thrown away)
+
+
+def _key(path: Path):
+    """Load the Ed25519 key at ``path``, or create it (and its ``.pub``) there."""
+    from fedasync.signing import generate_key, load_private_key, save_keypair
+
+    if path.exists():
+        return load_private_key(path)
+    name = path.name[:-4] if path.name.endswith(".key") else path.name
+    key = generate_key()
+    save_keypair(key, path.parent, name)
+    return key
+
+
+def peer_config(store: Store, run_id: int, given: Config | None) -> Config:
+    """The run's own config (the store is the source of truth); a given CONFIG must agree."""
+    import yaml
+
+    from fedasync.config import config_from_dict
+
+    info = run_info(store, run_id)
+    cfg = config_from_dict(yaml.safe_load(info.config_yaml))
+    if given is not None:
+        a, b = cfg.model_dump(mode="json"), given.model_dump(mode="json")
+        b["data"]["num_clients"] = a["data"]["num_clients"]
+        b["server"]["concurrency"] = a["server"]["concurrency"]
+        for sec in ("seed", "data", "model", "train", "server", "clock", "privacy"):
+            if a[sec] != b[sec]:
+                if isinstance(a[sec], dict):
+                    key = next(k for k in a[sec] if a[sec][k] != b[sec].get(k))
+                    sec = f"{sec}.{key}"
+                raise ServerlessError(f"CONFIG: {sec} differs from the config run {run_id} was started with "
+                                      "(omit CONFIG to use the run's own)")
+    return cfg
+
+
+def _check_peer_id(info, peer_id: int) -> None:
+    if not 0 <= peer_id < info.num_peers:
+        raise ServerlessError(f"--peer-id: {peer_id} is outside 0-{info.num_peers - 1} (run {info.run_id} has "
+                              f"{info.num_peers} peers)")
+
+
+def _launch(store: Store, run_id: int, n_peers: int, argvs: list[list[str]], logs: Path,
+            start_timeout_s: float, procs: list) -> float:
+    """Start the local peer processes (appended to ``procs``), wait until all ``n_peers`` are
+    ready, start the run; its start time."""
+    for i, argv in enumerate(argvs):
+        procs.append(spawn(argv, logs / f"peer-{i}.log"))
+    deadline = time.monotonic() + start_timeout_s
+    while True:
+        ready = ready_count(store, run_id)
+        if ready >= n_peers:
+            return start_run(store, run_id)
+        dead = [i for i, p in enumerate(procs) if p.poll() is not None]
+        if dead:
+            raise ServerlessError(f"peer process(es) {dead} exited before the run started "
+                                  f"(see {logs / f'peer-{dead[0]}.log'})")
+        if time.monotonic() > deadline:
+            raise ServerlessError(f"only {ready} of {n_peers} peers were ready after {start_timeout_s:.0f} s "
+                                  f"(peers {len(argvs)}-{n_peers - 1} must join with `peer --run-id {run_id}`)")
+        time.sleep(POLL_S)
+
+
+def _peer_stats(store: Store, run_id: int) -> dict:
+    rows = peer_rows(store, run_id)
+    return {str(r["peer"]): dict(r["stats"] or {}, stop_reason=r["stop_reason"], host=r["host"]) for r in rows}
+
+
+# -- the ledger ---------------------------------------------------------------------------------
+
+
+def ledger_peer_loop(store: Store, run_id: int, peer_id: int, key_path: Path, given: Config | None = None,
+                     emulate: bool = False) -> dict:
+    """One ledger peer until the run stops; its counts."""
+    from fedasync.serverless.flchain import LedgerPeer
+    from fedasync.signing import public_raw
+
+    cfg = peer_config(store, run_id, given)
+    info = run_info(store, run_id)
+    _check_peer_id(info, peer_id)
+    task = PeerTask(cfg)
+    privacy = PeerPrivacy(cfg, store, run_id) if cfg.privacy.local_dp.enabled else None
+    key = _key(key_path)
+    peer = LedgerPeer(store, run_id, peer_id, key, task, privacy, emulate=emulate)
+    task.train(peer_id, task.init, WARMUP_TASK)  # torch's first step costs seconds: not after the start
+    register_peer(store, run_id, peer_id, public_raw(key).hex())
+    max_wall = info.settings.get("max_wall_time")
+    step, reason = 0, None
+    try:
+        status = wait_for_start(store, run_id)
+        t0 = started_at(store, run_id) or time.time()
+        while True:
+            if status != "running" or run_status(store, run_id) != "running":
+                reason = "run_stopped"
+                break
+            if peer.done():
+                reason = "max_steps"
+                break
+            if max_wall is not None and time.time() - t0 >= max_wall:
+                reason = "max_wall_time"
+                break
+            work = peer.start_task(step * info.num_peers + peer_id)
+            if work.refused:
+                store.mark_exhausted(run_id, peer_id, work.refused)
+                reason = work.refused
+                break
+            if run_status(store, run_id) != "running" or peer.done():
+                reason = "run_stopped"
+                break
+            peer.append_update(work)
+            peer.try_aggregate()
+            step += 1
+    finally:
+        stats = {"updates": peer.updates, "aggregates": peer.aggregates, "conflicts": peer.conflicts}
+        close_peer(store, run_id, peer_id, reason or "failed", stats)
+    return dict(stats, peer=peer_id, stop_reason=reason)
+
+
+def run_ledger(cfg: Config, store_url: str, peers: int, out: Path, max_steps: int | None = None,
+               emulate: bool = False, progress: Progress | None = None, spawn_peers: int | None = None,
+               peer_grace_s: float = 30.0, start_timeout_s: float = 600.0) -> dict:
+    """``fedasync ledger run``: a new chain, peer processes, a monitor; the summary."""
+    from fedasync.serverless.flchain import ChainView, Rule, create_ledger, record_eval
+    from fedasync.serverless.sim import ledger_summary
+
+    check_serverless(cfg, "ledger")
+    if peers != cfg.data.num_clients:
+        raise ServerlessError(f"--peers {peers}: the config has data.num_clients {cfg.data.num_clients}")
+    n_local = peers if spawn_peers is None else spawn_peers
+    if not 0 <= n_local <= peers:
+        raise ServerlessError(f"--spawn: must be in 0..{peers}, got {n_local}")
+    progress = progress or (lambda ev: None)
+    store = open_store(store_url)
+    max_aggr = max_steps if max_steps is not None else cfg.server.max_versions
+    out.mkdir(parents=True, exist_ok=True)
+    keys = out / "keys"
+    t_wall0 = time.time()
+    run_id = create_ledger(store, cfg, Rule.from_config(cfg, max_aggr), _key(keys / "genesis.key"), "wall",
+                           t_wall0, settings={"max_steps": max_aggr, "max_wall_time": cfg.server.max_wall_time,
+                                              "emulate": emulate})
+    set_starting(store, run_id)
+    (out / "config.yaml").write_text(cfg.to_yaml())
+    task = PeerTask(cfg)
+    view = ChainView(store, run_id)
+    view.refresh()
+    history: list[dict] = []
+    time_to_target = None
+    seen_models = 0
+    procs: list = []
+    reason = None
+    status = "finished"
+    t0 = t_wall0
+
+    def evaluate(height: int, index: int) -> None:
+        nonlocal time_to_target
+        if history and history[-1]["version"] == index:
+            return
+        loss, acc = task.evaluate(view.params(height))
+        record_eval(store, run_id, height, index, loss, acc)
+        t = max(0.0, view.blocks[height].created - t0)
+        history.append({"version": index, "height": height, "time_s": round(t, 3), "virtual_time_s": None,
+                        "wall_time_s": round(t, 3), "accuracy": acc, "loss": loss})
+        if time_to_target is None and cfg.server.target_accuracy is not None and acc >= cfg.server.target_accuracy:
+            time_to_target = t
+
+    argvs = [["ledger", "peer", "--store", store_url, "--peer-id", str(i), "--run-id", str(run_id),
+              "--key", str(keys / f"peer-{i}.key")] + (["--emulate-speeds"] if emulate else [])
+             for i in range(n_local)]
+    codes: list = []
+    try:
+        t0 = _launch(store, run_id, peers, argvs, out / "logs", start_timeout_s, procs)
+        evaluate(0, 0)
+        while True:
+            view.refresh()
+            for idx in range(seen_models + 1, len(view.models)):
+                if idx % cfg.server.eval_every == 0:
+                    evaluate(view.models[idx], idx)
+            seen_models = len(view.models) - 1
+            progress({"version": view.num_aggregates, "height": view.height, "time_s": time.time() - t0,
+                      "accuracy": history[-1]["accuracy"] if history else None, "max_steps": max_aggr,
+                      "max_time": cfg.server.max_wall_time})
+            if time_to_target is not None:
+                reason = "target_accuracy"
+                break
+            if max_aggr is not None and view.num_aggregates >= max_aggr:
+                reason = "max_steps"
+                break
+            if cfg.server.max_wall_time is not None and time.time() - t0 >= cfg.server.max_wall_time:
+                reason = "max_wall_time"
+                break
+            rows = peer_rows(store, run_id)
+            if rows and all(r["finished_wall"] is not None for r in rows) and len(rows) >= peers:
+                view.refresh()
+                done = max_aggr is not None and view.num_aggregates >= max_aggr
+                reason = "max_steps" if done else "peers_stopped"
+                break
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        reason, status = "interrupted", "stopped"
+    except BaseException:
+        reason, status = "failed", "failed"
+        raise
+    finally:
+        stop_run(store, run_id, status, reason)  # peers see the run stop and exit
+        codes = stop_processes(procs, grace_s=peer_grace_s)
+    view.refresh()
+    evaluate(view.models[-1], view.num_aggregates)
+    privacy = PeerPrivacy(cfg, store, run_id) if cfg.privacy.local_dp.enabled else None
+    pstats = _peer_stats(store, run_id)
+    summary = ledger_summary(cfg, store, run_id, view, history, time_to_target, reason, "wall",
+                             time.time() - t0, time.time() - t_wall0, privacy=privacy,
+                             conflicts=sum(int(p.get("conflicts", 0)) for p in pstats.values()),
+                             extra={"peers": pstats, "peer_exit_codes": codes, "emulate_speeds": emulate,
+                                    "peer_logs": str(out / "logs")})
+    stop_run(store, run_id, status, reason, summary)
+    return summary
+
+
+# -- gossip -------------------------------------------------------------------------------------
+
+
+def gossip_peer_loop(store: Store, run_id: int, peer_id: int, given: Config | None = None,
+                     emulate: bool = False) -> dict:
+    """One gossip peer until the run stops; its counts."""
+    from fedasync.serverless.gossip import GossipPeer
+
+    cfg = peer_config(store, run_id, given)
+    info = run_info(store, run_id)
+    _check_peer_id(info, peer_id)
+    task = PeerTask(cfg)
+    privacy = PeerPrivacy(cfg, store, run_id) if cfg.privacy.local_dp.enabled else None
+    peer = GossipPeer(store, run_id, peer_id, task, info.settings["neighbours"][peer_id], cfg.seed, privacy,
+                      emulate=emulate)
+    peer.resume()
+    task.train(peer_id, task.init, WARMUP_TASK)  # warm up torch before the start
+    register_peer(store, run_id, peer_id)
+    max_steps = info.settings.get("max_steps")
+    max_wall = info.settings.get("max_wall_time")
+    reason = None
+    first = peer.steps_done
+    try:
+        status = wait_for_start(store, run_id)
+        t0 = started_at(store, run_id) or time.time()
+        while True:
+            if status != "running" or run_status(store, run_id) != "running":
+                reason = "run_stopped"
+                break
+            if max_steps is not None and peer.steps_done >= max_steps:
+                reason = "max_steps"
+                break
+            if max_wall is not None and time.time() - t0 >= max_wall:
+                reason = "max_wall_time"
+                break
+            st = peer.start_step(peer.steps_done)
+            if st.refused:
+                peer.mark_exhausted(st.refused)
+                reason = st.refused
+                break
+            if run_status(store, run_id) != "running":
+                reason = "run_stopped"
+                break
+            peer.finish_step(st, virtual_time=time.time() - t0)
+    finally:
+        stats = {"steps": peer.steps_done, "steps_this_process": peer.steps_done - first}
+        close_peer(store, run_id, peer_id, reason or "failed", stats)
+    return dict(stats, peer=peer_id, stop_reason=reason)
+
+
+def run_gossip(cfg: Config, store_url: str, peers: int, out: Path, topology: str = "ring", degree: int = 2,
+               max_steps: int | None = None, eval_every: int | None = None, emulate: bool = False,
+               progress: Progress | None = None, spawn_peers: int | None = None, peer_grace_s: float = 30.0,
+               start_timeout_s: float = 600.0) -> dict:
+    """``fedasync gossip run``: a new run, peer processes, a monitor; the summary."""
+    from fedasync.serverless.gossip import create_gossip, event_count, measure
+    from fedasync.serverless.sim import gossip_summary
+
+    check_serverless(cfg, "gossip")
+    if peers != cfg.data.num_clients:
+        raise ServerlessError(f"--peers {peers}: the config has data.num_clients {cfg.data.num_clients}")
+    n_local = peers if spawn_peers is None else spawn_peers
+    if not 0 <= n_local <= peers:
+        raise ServerlessError(f"--spawn: must be in 0..{peers}, got {n_local}")
+    progress = progress or (lambda ev: None)
+    store = open_store(store_url)
+    eval_every = eval_every or cfg.server.eval_every * cfg.server.buffer_size
+    out.mkdir(parents=True, exist_ok=True)
+    task = PeerTask(cfg)
+    t_wall0 = time.time()
+    run_id = create_gossip(store, cfg, topology, degree, "wall",
+                           {"max_steps": max_steps, "eval_every": eval_every, "max_wall_time": cfg.server.max_wall_time,
+                            "emulate": emulate}, task.init)
+    set_starting(store, run_id)
+    (out / "config.yaml").write_text(cfg.to_yaml())
+    history: list[dict] = []
+    time_to_target = None
+    last = None
+    procs: list = []
+    reason = None
+    status = "finished"
+    t0 = t_wall0
+
+    def record(events: int) -> None:
+        nonlocal time_to_target, last
+        t = time.time() - t0
+        m = measure(store, run_id, task, events, t)
+        last = m
+        history.append(dict(m.row(), version=events, virtual_time_s=None, wall_time_s=round(t, 3)))
+        if time_to_target is None and cfg.server.target_accuracy is not None and m.accuracy >= cfg.server.target_accuracy:
+            time_to_target = t
+
+    argvs = [["gossip", "peer", "--store", store_url, "--peer-id", str(i), "--run-id", str(run_id)]
+             + (["--emulate-speeds"] if emulate else []) for i in range(n_local)]
+    codes: list = []
+    try:
+        t0 = _launch(store, run_id, peers, argvs, out / "logs", start_timeout_s, procs)
+        record(0)
+        next_eval = eval_every
+        while True:
+            n = event_count(store, run_id)
+            if n >= next_eval:
+                record(n)
+                next_eval = (n // eval_every + 1) * eval_every
+            progress({"version": n, "time_s": time.time() - t0, "accuracy": history[-1]["accuracy"],
+                      "consensus_distance": history[-1]["consensus_distance"], "max_time": cfg.server.max_wall_time,
+                      "max_steps": None if max_steps is None else max_steps * peers})
+            if time_to_target is not None:
+                reason = "target_accuracy"
+                break
+            if cfg.server.max_wall_time is not None and time.time() - t0 >= cfg.server.max_wall_time:
+                reason = "max_wall_time"
+                break
+            rows = peer_rows(store, run_id)
+            if rows and len(rows) >= peers and all(r["finished_wall"] is not None for r in rows):
+                reason = "max_steps" if all(r["stop_reason"] == "max_steps" for r in rows) else "peers_stopped"
+                break
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        reason, status = "interrupted", "stopped"
+    except BaseException:
+        reason, status = "failed", "failed"
+        raise
+    finally:
+        stop_run(store, run_id, status, reason)
+        codes = stop_processes(procs, grace_s=peer_grace_s)
+    n = event_count(store, run_id)
+    if not history or history[-1]["events"] != n:
+        record(n)
+    privacy = PeerPrivacy(cfg, store, run_id) if cfg.privacy.local_dp.enabled else None
+    summary = gossip_summary(cfg, store, run_id, topology, degree, history, time_to_target, reason, "wall",
+                             time.time() - t0, time.time() - t_wall0, last, privacy,
+                             extra={"peers": _peer_stats(store, run_id), "peer_exit_codes": codes,
+                                    "emulate_speeds": emulate, "peer_logs": str(out / "logs")})
+    stop_run(store, run_id, status, reason, summary)
+    return summary

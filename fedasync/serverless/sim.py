@@ -1,0 +1,313 @@
+"""The deterministic in-process mode: the same peer objects, driven by the virtual clock.
+
+Peer ``i`` is client ``i`` of the same scenario ``fedasync simulate`` runs: partition ``i``,
+speed profile ``i`` (:func:`fedasync.server.clock.make_profiles`), and every task of ``steps``
+local steps lasts :func:`fedasync.server.clock.task_duration` virtual seconds. Events (a peer's
+task finishing) are taken in order of virtual finish time, ties in task-id order, so a run is a
+pure function of config and seed, however fast the machine. Everything goes through the store
+exactly as with peer processes (blocks, model rows, events).
+
+Ledger
+    The driver mirrors :class:`fedasync.server.loop.AsyncServer` with every client always busy:
+    peers that are idle at the same instant start in the order the server's uniform scheduler
+    (same seed) would dispatch them, and task ids count up from 0 in start order (the training
+    seed of task ``t`` is ``task_seed(seed, t)``, as for a server task). A peer starts by reading
+    the head model block and training on it; when its task finishes it appends its update block
+    and, if K updates are pending, the aggregate block. With ``data.num_clients = N = server.concurrency``
+    this is the same computation as the FedBuff server, so the ledger's final model has the
+    same sha256 as ``fedasync simulate --backend local`` (pinned in the tests).
+
+Gossip
+    Every peer starts its first step at time 0 and its next step as soon as one finishes
+    (task id ``step * N + peer``). A step trains at its start (from the peer's row at that
+    instant) and averages at its finish.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from fedasync.config import Config
+from fedasync.server.clock import VirtualClock
+from fedasync.server.scheduler import make_scheduler
+from fedasync.server.strategies import params_sha256
+from fedasync.serverless.common import PeerPrivacy, PeerTask, check_serverless, stats, stop_run
+from fedasync.store import Store
+
+Progress = Callable[[dict], None]
+
+
+def _privacy(cfg: Config, store: Store, run_id: int):
+    return PeerPrivacy(cfg, store, run_id) if cfg.privacy.local_dp.enabled else None
+
+
+def _target_hit(cfg: Config, acc: float) -> bool:
+    t = cfg.server.target_accuracy
+    return t is not None and acc >= t
+
+
+# -- ledger ------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Live:
+    peer: int
+    finish: float
+    work: object
+
+
+def simulate_ledger(cfg: Config, store: Store, max_steps: int | None = None, progress: Progress | None = None,
+                    stop_at_target: bool = True) -> dict:
+    """Run the ledger with ``data.num_clients`` peers on the virtual clock; the summary."""
+    from fedasync.serverless.flchain import LedgerPeer, Rule, create_ledger, record_eval, simulation_key
+
+    check_serverless(cfg, "ledger")
+    t_wall0 = time.time()
+    n = cfg.data.num_clients
+    max_aggr = max_steps if max_steps is not None else cfg.server.max_versions
+    rule = Rule.from_config(cfg, max_aggregates=max_aggr)
+    task = PeerTask(cfg)
+    run_id = create_ledger(store, cfg, rule, simulation_key(cfg.seed, "genesis"), clock="virtual", created=0.0,
+                           settings={"max_steps": max_aggr}, nonce=f"simulation-seed-{cfg.seed}")
+    privacy = _privacy(cfg, store, run_id)
+    peers = [LedgerPeer(store, run_id, i, simulation_key(cfg.seed, f"peer-{i}"), task, privacy) for i in range(n)]
+    progress = progress or (lambda ev: None)
+    sched = make_scheduler("uniform", cfg.seed)
+    clock = VirtualClock()
+    live: dict[int, _Live] = {}
+    idle = list(range(n))
+    exhausted: set[int] = set()
+    history: list[dict] = []
+    next_task = 0
+    time_to_target = None
+    stop_reason = None
+    limit = cfg.server.max_virtual_time
+    view = peers[0].view
+
+    def evaluate(height: int, index: int) -> None:
+        nonlocal time_to_target
+        if history and history[-1]["version"] == index:
+            return
+        loss, acc = task.evaluate(view.params(height))
+        record_eval(store, run_id, height, index, loss, acc)
+        history.append({"version": index, "height": height, "time_s": round(clock.now, 6),
+                        "virtual_time_s": round(clock.now, 6), "wall_time_s": round(time.time() - t_wall0, 3),
+                        "accuracy": acc, "loss": loss})
+        if time_to_target is None and _target_hit(cfg, acc):
+            time_to_target = clock.now
+
+    evaluate(0, 0)
+    while True:
+        if max_aggr is not None and view.num_aggregates >= max_aggr:
+            stop_reason = "max_steps"
+            break
+        if stop_at_target and time_to_target is not None:
+            stop_reason = "target_accuracy"
+            break
+        cand = sorted(c for c in idle if c not in exhausted)
+        idle = []
+        while cand:  # the order the server's scheduler would dispatch them in
+            c = sched.choose(cand)
+            cand.remove(c)
+            work = peers[c].start_task(next_task)
+            live[next_task] = _Live(c, clock.now + task.duration(c, next_task), work)
+            next_task += 1
+        if not live:
+            stop_reason = "no_peer_can_train"
+            break
+        tmin = min(lv.finish for lv in live.values())
+        if limit is not None and tmin > limit:
+            clock.advance_to(limit)
+            stop_reason = "max_virtual_time"
+            break
+        clock.advance_to(tmin)
+        for tid in sorted(t for t, lv in live.items() if lv.finish == tmin):
+            lv = live.pop(tid)
+            p = peers[lv.peer]
+            if lv.work.refused:
+                exhausted.add(lv.peer)
+                store.mark_exhausted(run_id, lv.peer, lv.work.refused)
+                continue
+            p.append_update(lv.work, created=clock.now)
+            h = p.try_aggregate(created=clock.now)
+            view.refresh()
+            if h is not None and view.model_index[h] % cfg.server.eval_every == 0:
+                evaluate(h, view.model_index[h])
+            idle.append(lv.peer)
+        view.refresh()
+        progress({"version": view.num_aggregates, "height": view.height, "time_s": clock.now,
+                  "accuracy": history[-1]["accuracy"] if history else None, "max_steps": max_aggr,
+                  "max_time": limit})
+    view.refresh()
+    evaluate(view.models[-1], view.num_aggregates)
+    summary = ledger_summary(cfg, store, run_id, view, history, time_to_target, stop_reason, "virtual",
+                             clock.now, time.time() - t_wall0, conflicts=sum(p.conflicts for p in peers),
+                             privacy=privacy)
+    stop_run(store, run_id, "finished", stop_reason, summary)
+    return summary
+
+
+def ledger_summary(cfg: Config, store: Store, run_id: int, view, history: list[dict], time_to_target: float | None,
+                   stop_reason: str | None, clock: str, time_s: float, wall_s: float, conflicts: int = 0,
+                   privacy=None, extra: dict | None = None) -> dict:
+    view.refresh()
+    accs = [h["accuracy"] for h in history]
+    stal = [view.staleness(h) for h in view.arrival]
+    per_peer: dict[int, int] = {}
+    for b in view.blocks:
+        if b.kind == "update":
+            per_peer[int(b.meta.get("peer", -1))] = per_peer.get(int(b.meta.get("peer", -1)), 0) + 1
+    head_params = view.params(view.models[-1])
+    out = {
+        "run_id": run_id, "name": cfg.name, "strategy": "ledger-fedbuff", "mode": "ledger", "clock": clock,
+        "seed": cfg.seed, "num_clients": cfg.data.num_clients, "num_peers": cfg.data.num_clients,
+        "buffer_size": view.rule.buffer_size, "versions": view.num_aggregates, "blocks": len(view.blocks),
+        "update_blocks": len(view.arrival), "aggregate_blocks": view.num_aggregates, "pending": len(view.pending),
+        "updates_per_peer": {str(k): v for k, v in sorted(per_peer.items())}, "height_conflicts": conflicts,
+        "virtual_time_s": round(time_s, 6) if clock == "virtual" else None, "wall_time_s": round(wall_s, 3),
+        "final_accuracy": accs[-1] if accs else None, "best_accuracy": max(accs) if accs else None,
+        "target_accuracy": cfg.server.target_accuracy,
+        "time_to_target_s": None if time_to_target is None else round(time_to_target, 6),
+        "staleness": {k: v for k, v in stats(stal).items()},
+        "model_sha256": params_sha256(head_params), "head_hash": view.head.hash, "store_url": store.url,
+        "stop_reason": stop_reason, "history": history,
+    }
+    if privacy is not None:
+        out["privacy"] = privacy.summary()
+    if extra:
+        out.update(extra)
+    return out
+
+
+# -- gossip ------------------------------------------------------------------------------------
+
+
+def simulate_gossip(cfg: Config, store: Store, topology: str = "ring", degree: int = 2,
+                    max_steps: int | None = None, eval_every: int | None = None,
+                    progress: Progress | None = None, stop_at_target: bool = True) -> dict:
+    """Run gossip with ``data.num_clients`` peers on the virtual clock; the summary.
+
+    ``max_steps``: averaging steps per peer. ``eval_every``: averaging events between
+    measurements (default ``server.eval_every * server.buffer_size``: as many local trainings
+    as the server runs between evaluations)."""
+    from fedasync.serverless.gossip import GossipPeer, create_gossip, measure
+
+    check_serverless(cfg, "gossip")
+    t_wall0 = time.time()
+    n = cfg.data.num_clients
+    eval_every = eval_every or cfg.server.eval_every * cfg.server.buffer_size
+    task = PeerTask(cfg)
+    run_id = create_gossip(store, cfg, topology, degree, "virtual",
+                           {"max_steps": max_steps, "eval_every": eval_every}, task.init)
+    from fedasync.serverless.common import run_info
+
+    nb = run_info(store, run_id).settings["neighbours"]
+    privacy = _privacy(cfg, store, run_id)
+    peers = [GossipPeer(store, run_id, i, task, nb[i], cfg.seed, privacy) for i in range(n)]
+    progress = progress or (lambda ev: None)
+    clock = VirtualClock()
+    heap: list[tuple[float, int]] = []
+    works: dict[int, object] = {}
+    history: list[dict] = []
+    events = 0
+    time_to_target = None
+    stop_reason = None
+    limit = cfg.server.max_virtual_time
+    exhausted: set[int] = set()
+    last = None
+
+    def record() -> None:
+        nonlocal time_to_target, last
+        if history and history[-1]["events"] == events:
+            return
+        m = measure(store, run_id, task, events, clock.now)
+        last = m
+        history.append(dict(m.row(), version=events, virtual_time_s=round(clock.now, 6),
+                            wall_time_s=round(time.time() - t_wall0, 3)))
+        if time_to_target is None and _target_hit(cfg, m.accuracy):
+            time_to_target = clock.now
+
+    def start(i: int) -> None:
+        p = peers[i]
+        st = p.start_step(p.steps_done)
+        works[i] = st
+        heapq.heappush(heap, (clock.now + task.duration(i, st.task_id), i))
+
+    record()
+    for i in range(n):
+        if max_steps is None or max_steps > 0:
+            start(i)
+    while True:
+        if stop_at_target and time_to_target is not None:
+            stop_reason = "target_accuracy"
+            break
+        if not heap:
+            stop_reason = "max_steps" if not exhausted else "no_peer_can_train"
+            break
+        t, i = heap[0]
+        if limit is not None and t > limit:
+            clock.advance_to(limit)
+            stop_reason = "max_virtual_time"
+            break
+        heapq.heappop(heap)
+        clock.advance_to(t)
+        st = works.pop(i)
+        if st.refused:
+            exhausted.add(i)
+            peers[i].mark_exhausted(st.refused)
+            continue
+        peers[i].finish_step(st, virtual_time=clock.now)
+        events += 1
+        if events % eval_every == 0:
+            record()
+        if max_steps is None or peers[i].steps_done < max_steps:
+            start(i)
+        progress({"version": events, "time_s": clock.now, "accuracy": history[-1]["accuracy"],
+                  "consensus_distance": history[-1]["consensus_distance"], "max_time": limit,
+                  "max_steps": None if max_steps is None else max_steps * n})
+    record()
+    summary = gossip_summary(cfg, store, run_id, topology, degree, history, time_to_target, stop_reason, "virtual",
+                             clock.now, time.time() - t_wall0, last, privacy)
+    stop_run(store, run_id, "finished", stop_reason, summary)
+    return summary
+
+
+def gossip_summary(cfg: Config, store: Store, run_id: int, topology: str, degree: int, history: list[dict],
+                   time_to_target: float | None, stop_reason: str | None, clock: str, time_s: float, wall_s: float,
+                   last, privacy=None, extra: dict | None = None) -> dict:
+    from fedasync.serverless.gossip import snapshot
+    from fedasync.serverless.topology import neighbours, spectral_gap
+
+    _, info = snapshot(store, run_id)
+    accs = [h["accuracy"] for h in history]
+    cd = [h["consensus_distance"] for h in history]
+    steps = [r["steps"] for r in info]
+    out = {
+        "run_id": run_id, "name": cfg.name, "strategy": f"gossip-{topology}", "mode": "gossip", "clock": clock,
+        "topology": topology, "degree": degree if topology == "random-k" else None,
+        "spectral_gap": spectral_gap(neighbours(topology, cfg.data.num_clients, cfg.seed, degree)),
+        "seed": cfg.seed, "num_clients": cfg.data.num_clients, "num_peers": cfg.data.num_clients,
+        "versions": history[-1]["events"] if history else 0, "averaging_events": history[-1]["events"] if history else 0,
+        "steps_per_peer": {"min": min(steps), "max": max(steps), "mean": float(np.mean(steps))},
+        "virtual_time_s": round(time_s, 6) if clock == "virtual" else None, "wall_time_s": round(wall_s, 3),
+        "final_accuracy": accs[-1] if accs else None, "best_accuracy": max(accs) if accs else None,
+        "final_min_peer_accuracy": history[-1]["min_accuracy"] if history else None,
+        "final_max_peer_accuracy": history[-1]["max_accuracy"] if history else None,
+        "consensus_distance": {"final": cd[-1] if cd else None, "max": max(cd) if cd else None},
+        "target_accuracy": cfg.server.target_accuracy,
+        "time_to_target_s": None if time_to_target is None else round(time_to_target, 6),
+        "model_sha256": params_sha256(last.average) if last is not None else None,
+        "peers_exhausted": sum(1 for r in info if r["exhausted"]), "store_url": store.url,
+        "stop_reason": stop_reason, "history": history,
+    }
+    if privacy is not None:
+        out["privacy"] = privacy.summary()
+        out["privacy"]["epsilon_per_peer"] = {str(r["peer"]): r["epsilon"] for r in info}
+    if extra:
+        out.update(extra)
+    return out
