@@ -61,6 +61,7 @@ def run_configs(
     out_dirs: dict[str, Path],
     backend: str,
     show_progress: bool = True,
+    resume: int | None = None,
 ) -> dict[str, dict]:
     """Run each config in turn (one engine start for all) and write its outputs."""
     from fedasync.outputs import write_run_outputs
@@ -82,7 +83,7 @@ def run_configs(
         if backend == "local":
             for label, cfg in configs:
                 server = AsyncServer(cfg, LocalTransport(), make_store(label, cfg), clock="virtual",
-                                     progress=progress(label, cfg) if progress else None)
+                                     progress=progress(label, cfg) if progress else None, resume_run_id=resume)
                 on_result(label, cfg, server.run())
         else:
             from flwr.simulation import run_simulation
@@ -95,7 +96,7 @@ def run_configs(
             actors = first.simulation.num_actors
             cpus = os.cpu_count() or 1
             job = Job(configs=configs, make_store=make_store, on_result=on_result, progress=progress,
-                      expected_nodes=n_nodes)
+                      expected_nodes=n_nodes, resume_run_id=resume)
             run_simulation(
                 server_app=make_server_app(job),
                 client_app=client_app,
@@ -120,14 +121,30 @@ def simulate(
     backend: Optional[str] = typer.Option(
         None, "--backend", help="flower (Flower's simulation engine, default) or local (in-process)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and Ray's logs."),
+    resume: Optional[int] = typer.Option(
+        None, "--resume", help="Continue run RUN_ID (stopped or killed) of the store in --out (or store.url)."),
 ) -> None:
     """Run the asynchronous server with simulated clients on this machine."""
     cfg = load_or_exit(config, set_)
+    if resume is not None:
+        from fedasync.cli.deploy import resume_config
+
+        if compare:
+            fail("--resume: cannot be combined with --compare")
+        cfg = resume_config(config, set_, out, resume, cfg, mode="simulation")
     configs = parse_compare(compare, cfg) if compare else [(cfg.server.strategy, cfg)]
+    if cfg.privacy.local_dp.enabled or cfg.privacy.central_dp.enabled:  # DP settings that cannot work: one line
+        from fedasync.privacy.tracker import check_runnable
+
+        for label, c in configs:
+            try:
+                check_runnable(c)
+            except ValueError as e:
+                fail(f"{label}: {e}" if compare else str(e))
     backend = backend or cfg.simulation.backend
     if backend not in ("flower", "local"):
         fail(f"--backend: {backend!r} is not one of flower, local")
-    if out is not None and out.exists() and any(out.iterdir()):
+    if resume is None and out is not None and out.exists() and any(out.iterdir()):
         fail(f"--out: {out} exists and is not empty")
     # nothing is written before every input has been checked
     from fedasync.outputs import new_run_dir, write_comparison
@@ -138,8 +155,14 @@ def simulate(
     out_dirs = {label: (out / label if compare else out) for label, _ in configs}
     quiet_flower(verbose)
     t0 = time.time()
-    summaries = run_configs(configs, out_dirs, backend)
+    summaries = run_configs(configs, out_dirs, backend, resume=resume)
     console.print(_summary_table(summaries, f"{cfg.name} ({backend}, seed {cfg.seed})"))
+    for label, s in summaries.items():  # privacy spent (DP runs)
+        p = s.get("privacy")
+        if p and p.get("epsilon_max") is not None:
+            console.print(f"{label} privacy ({p['accountant']}, δ={p['delta']:g}): ε max {p['epsilon_max']:.3f}, "
+                          f"mean {p['epsilon_mean']:.3f}; {p['clients_exhausted']} of {s['num_clients']} clients "
+                          f"exhausted; stopped: {s['stop_reason']}", highlight=False)
     if compare:
         paths = write_comparison(out, summaries, cfg.server.target_accuracy)
         ratios = json.loads(paths["comparison"].read_text())["time_to_target_ratio"]
@@ -151,4 +174,7 @@ def simulate(
         s = summaries[label]
         console.print(f"[bold]{label}[/bold]: {d / 'summary.json'}, {d / 'history.csv'}, "
                       f"{d / 'accuracy.png'}, {d / 'config.yaml'}; store {s['store_url']}")
+    for label, s in summaries.items():
+        if s["stop_reason"] == "interrupted":
+            console.print(f"{label}: stopped; continue with --resume {s['run_id']} --out {out_dirs[label]}")
     console.print(f"done in {time.time() - t0:.1f} s")

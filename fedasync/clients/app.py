@@ -1,29 +1,94 @@
-"""The Flower ClientApp: one train message in, one reply out.
+"""The Flower ClientApp: one train message in, one reply out; and the deployment hello.
 
-In simulation the task names the virtual client whose partition to train (``client_id``);
-on a real device (``fedasync client``) the SuperNode's node config gives ``partition-id`` and,
-optionally, ``data-path`` (the device's own .npz) and ``signing-key``.
+In simulation the task names the virtual client whose partition to train (``client_id``).
+On a real device (``fedasync client``) the SuperNode's node config says who the device is:
+
+- ``partition-id``, ``num-partitions``: its client id and the number of clients;
+- ``data-path`` (optional): the device's own ``.npz`` (``x``, ``y``); else its partition is
+  generated from the task's setup (the same partitioner and seed as the server);
+- ``signing-key`` (optional): its Ed25519 private key; every update is signed over
+  ``(run id, task id, base version, sha256 of the parameters)``;
+- ``device`` (optional): ``auto``, ``cpu``, ``cuda`` or ``mps``, overriding ``train.device``;
+- ``privacy-state-dir`` (optional): where it keeps its DP accountant.
+
+A task says it comes from a deployment with ``"deployment": true``; the reply then echoes the
+device's ``client_id`` and the ``task_id``, so that the server can tell a misrouted or replayed
+reply. The ``query`` handler answers the server's hello (see ``fedasync.server.app``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 
-from flwr.app import Context, Message
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedasync.clients.runner import handle_train
 from fedasync.wire import record_to_params, reply_content
 
 app = ClientApp()
 
 
+@functools.lru_cache(maxsize=4)
+def _signing_key(path: str):
+    from fedasync.signing import load_private_key
+
+    return load_private_key(path)
+
+
+def _node(context: Context) -> dict:
+    return dict(context.node_config or {})
+
+
+def _set_device(setup_json: str, device: str) -> str:
+    s = json.loads(setup_json)
+    s["train"]["device"] = device
+    return json.dumps(s, sort_keys=True)
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
+    from fedasync.clients.runner import handle_train
+
     params = record_to_params(msg.content["params"])
     config = json.loads(msg.content["task"]["json"])
-    node_cfg = context.node_config
+    node_cfg = _node(context)
+    deployed = bool(config.get("deployment"))
+    if deployed and "partition-id" in node_cfg:
+        config["client_id"] = int(node_cfg["partition-id"])  # a device trains its own data
+    if node_cfg.get("device"):
+        config["setup"] = _set_device(config["setup"], str(node_cfg["device"]))
     data_path = node_cfg.get("data-path") or None
-    result = handle_train(params, config, data_path=str(data_path) if data_path else None)
+    state_dir = node_cfg.get("privacy-state-dir") or None  # a device keeps its DP accountant here
+    result = handle_train(params, config, data_path=str(data_path) if data_path else None,
+                          state_dir=str(state_dir) if state_dir else None)
+    if deployed:
+        result.setdefault("metrics", {}).update(task_id=int(config["task_id"]), client_id=int(config["client_id"]))
+    key_path = node_cfg.get("signing-key")
+    if key_path and result.get("params") is not None:
+        from fedasync.server.strategies import params_sha256
+        from fedasync.signing import sign_update
+
+        result["signature"] = sign_update(_signing_key(str(key_path)), int(config["run_id"]),
+                                          int(config["task_id"]), int(config["base_version"]),
+                                          params_sha256(result["params"]))
     return Message(reply_content(result), reply_to=msg)
 
+
+@app.query()
+def hello(msg: Message, context: Context) -> Message:
+    """Who this node is: its client id, the number of clients and its signing public key."""
+    node_cfg = _node(context)
+    info = {
+        "partition_id": int(node_cfg["partition-id"]) if "partition-id" in node_cfg else None,
+        "num_partitions": int(node_cfg["num-partitions"]) if "num-partitions" in node_cfg else None,
+        "public_key": "",
+        "device": str(node_cfg.get("device") or "auto"),
+        "has_data": bool(node_cfg.get("data-path")),
+    }
+    key_path = node_cfg.get("signing-key")
+    if key_path:
+        from fedasync.signing import public_raw
+
+        info["public_key"] = public_raw(_signing_key(str(key_path))).hex()
+    return Message(RecordDict({"hello": ConfigRecord({"json": json.dumps(info)})}), reply_to=msg)

@@ -45,7 +45,10 @@ def local_data(setup_json: str, client_id: int, data_path: str | None = None):
     return fed.partitions[client_id]
 
 
-def handle_train(params: Params, config: dict[str, Any], data_path: str | None = None) -> dict[str, Any]:
+def handle_train(params: Params, config: dict[str, Any], data_path: str | None = None,
+                 state_dir: str | None = None) -> dict[str, Any]:
+    """``state_dir``: where a real device keeps its privacy accountant (node config
+    ``privacy-state-dir``); used when the task carries no accountant history."""
     from fedasync.task.models import set_params
     from fedasync.task.train import local_train
 
@@ -53,13 +56,26 @@ def handle_train(params: Params, config: dict[str, Any], data_path: str | None =
     t0 = time.perf_counter()
     _s, _fed, model, train_cfg, device = _setup(config["setup"])
     x, y = local_data(config["setup"], int(config["client_id"]), data_path)
-    set_params(model, params)
-    result = local_train(model, x, y, train_cfg, seed=int(config["seed"]), device=device)
+    pconf = config.get("privacy")
+    dp_metrics: dict[str, Any] = {}
+    if pconf and pconf.get("local_dp"):
+        # DP-SGD (Opacus): enforce the budget before training, then train privately
+        from fedasync.privacy.dp import private_task
+
+        set_params(model, params)
+        dp = private_task(model, x, y, train_cfg, seed=int(config["seed"]), device=device, pconf=pconf,
+                          state_dir=state_dir)
+        if dp.refused is not None:
+            return {"refused": dp.refused, "metrics": dp.metrics}
+        result, dp_metrics = dp.train, dp.metrics
+    else:
+        set_params(model, params)
+        result = local_train(model, x, y, train_cfg, seed=int(config["seed"]), device=device)
     sleep_s = float(config.get("sleep_s", 0.0))
     if sleep_s > 0:  # emulate this client's speed in wall-clock time
         time.sleep(max(0.0, sleep_s - (time.perf_counter() - t0)))
     return {
         "params": result.params,
         "metrics": {"num_examples": result.num_examples, "loss": result.loss, "steps": result.steps,
-                    "train_time_s": time.perf_counter() - t0},
+                    "train_time_s": time.perf_counter() - t0, **dp_metrics},
     }

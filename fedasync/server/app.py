@@ -7,20 +7,37 @@ never calls ``send_and_receive`` and never waits for a round.
 ``app`` is the ServerApp that ``flwr run .`` uses (``[tool.flwr.app.components]``); the
 ``fedasync simulate`` command builds its own with :func:`make_server_app` so that several
 strategies can share one start of the simulation engine.
+
+``deploy_app`` is the ServerApp of a real federation (``fedasync server`` submits it to a
+SuperLink with ``flwr run``; its run config ``job`` is a JSON job written by that command). It
+runs the loop under the **wall clock** over a :class:`DeployTransport`, which learns which
+SuperNode is which client with a ``query`` message (the *hello*, see below).
+
+Node <-> client mapping (deployment). Flower's Grid names nodes by id only, so the server asks
+every new node ``query`` (group ``fedasync-hello``); the ClientApp answers from its node config:
+``partition-id`` (the client id), ``num-partitions``, and the raw Ed25519 public key of its
+``signing-key``. A node is mapped to client ``partition-id`` unless the id is out of range,
+``num-partitions`` differs from ``data.num_clients``, another live node holds that client, or
+(with SuperNode authentication) Flower registered a different node for that client's auth key.
+The hello is a claim, not a proof: every update is still verified against the signing key
+registered for its client (``bad_signature`` otherwise), and with SuperNode authentication only
+nodes whose auth key was registered can connect at all. Nodes that leave are unmapped; new
+ones are greeted every few seconds.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
-from flwr.app import Context, Message
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from fedasync.config import Config, load_config
@@ -69,6 +86,8 @@ class GridTransport:
 
     def poll(self, message_ids: list[str]) -> list[tuple[str, Reply]]:
         out = []
+        if not message_ids:
+            return out
         for msg in self.grid.pull_messages(message_ids):
             mid = msg.metadata.reply_to_message_id
             if msg.has_error():
@@ -84,6 +103,146 @@ class GridTransport:
         return out
 
 
+HELLO_GROUP = "fedasync-hello"
+
+
+class DeployTransport(GridTransport):
+    """A real federation's Grid: greets new nodes (the hello) to learn which client each is, and
+    pulls no more often than every ``min_pull_interval`` seconds (each pull is an HTTP request).
+
+    ``registered``: ``{client id: node id}`` that Flower assigned when the client's SuperNode
+    auth key was registered (``fedasync server --supernode-auth``); a hello must agree with it.
+    ``public_keys``: ``{client id: raw Ed25519 public key}``, only to warn early about a node
+    whose signing key is not the registered one (its updates will be rejected).
+    """
+
+    def __init__(self, grid: Grid, num_clients: int, registered: dict[int, int] | None = None,
+                 public_keys: dict[int, bytes] | None = None, on_node: Callable[[int, int, dict], None] | None = None,
+                 refresh_every: float = 3.0, hello_timeout: float = 120.0, hello_retry: float = 30.0,
+                 min_pull_interval: float = 0.5, group_id: str = "fedasync"):
+        super().__init__(grid, group_id)
+        self.num_clients = num_clients
+        self.registered = dict(registered or {})
+        self.public_keys = dict(public_keys or {})
+        self.on_node = on_node
+        self.refresh_every = refresh_every
+        self.hello_timeout = hello_timeout
+        self.hello_retry = hello_retry
+        self.min_pull_interval = min_pull_interval
+        self.run_id = 0
+        self.nodes: dict[int, dict] = {}  # node id -> hello info (client_id None: not used)
+        self.client_node: dict[int, int] = {}
+        self.hello_pending: dict[str, tuple[int, float]] = {}  # message id -> (node id, sent at)
+        self.hello_failed: dict[int, float] = {}  # node id -> when its hello failed
+        self._last_refresh = -1e9
+        self._last_hello_pull = -1e9
+        self._last_pull = -1e9
+
+    # -- what the loop asks ------------------------------------------------------------
+    def available_clients(self) -> set[int]:
+        return set(self.client_node)
+
+    def node_for_client(self, client_id: int) -> int | None:
+        return self.client_node.get(client_id)
+
+    def poll(self, message_ids: list[str]) -> list[tuple[str, Reply]]:
+        now = time.monotonic()
+        if now - self._last_pull < self.min_pull_interval:
+            return []
+        self._last_pull = now
+        return super().poll(message_ids)
+
+    # -- discovery ---------------------------------------------------------------------
+    def refresh(self) -> None:
+        now = time.monotonic()
+        if self.hello_pending and now - self._last_hello_pull >= self.min_pull_interval:
+            self._last_hello_pull = now
+            self._pull_hellos(now)
+        if now - self._last_refresh < self.refresh_every:
+            return
+        self._last_refresh = now
+        current = set(self.grid.get_node_ids())
+        for n in [n for n in self.nodes if n not in current]:
+            info = self.nodes.pop(n)
+            c = info.get("client_id")
+            if c is not None and self.client_node.get(c) == n:
+                del self.client_node[c]
+                log.warning("node %d (client %d) left the federation", n, c)
+        waiting = {n for n, _ in self.hello_pending.values()}
+        new = sorted(n for n in current if n not in self.nodes and n not in waiting
+                     and now - self.hello_failed.get(n, -1e9) >= self.hello_retry)
+        if new:
+            self._send_hellos(new, now)
+
+    def _send_hellos(self, nodes: list[int], now: float) -> None:
+        msgs = [Message(RecordDict({"hello": ConfigRecord({"run_id": int(self.run_id),
+                                                           "num_clients": int(self.num_clients)})}),
+                        dst_node_id=n, message_type="query", group_id=HELLO_GROUP, ttl=self.hello_timeout)
+                for n in nodes]
+        ids = list(self.grid.push_messages(msgs))
+        if len(ids) != len(msgs):
+            log.error("hello: push_messages accepted %d of %d messages", len(ids), len(msgs))
+            for n in nodes:
+                self.hello_failed[n] = now
+            return
+        for n, mid in zip(nodes, ids):
+            if mid:
+                self.hello_pending[mid] = (n, now)
+            else:
+                self.hello_failed[n] = now
+        log.info("hello sent to %d new node(s)", len(nodes))
+
+    def _pull_hellos(self, now: float) -> None:
+        for msg in self.grid.pull_messages(list(self.hello_pending)):
+            mid = msg.metadata.reply_to_message_id
+            if mid not in self.hello_pending:
+                continue
+            node, _ = self.hello_pending.pop(mid)
+            if msg.has_error():
+                log.warning("hello to node %d failed: code %s: %s", node, msg.error.code, msg.error.reason)
+                self.hello_failed[node] = now
+                continue
+            try:
+                info = json.loads(msg.content["hello"]["json"])
+            except Exception as e:
+                log.warning("hello from node %d is malformed: %s", node, e)
+                self.hello_failed[node] = now
+                continue
+            self._map(node, info)
+        for mid, (node, sent) in list(self.hello_pending.items()):
+            if now - sent > self.hello_timeout:
+                del self.hello_pending[mid]
+                self.hello_failed[node] = now
+                log.warning("hello to node %d: no answer after %.0f s", node, self.hello_timeout)
+
+    def _map(self, node: int, info: dict) -> None:
+        """Decide whether ``node`` serves the client its hello names."""
+        c = info.get("partition_id")
+        why = None
+        if not isinstance(c, int) or not 0 <= c < self.num_clients:
+            why = f"partition-id {c!r} is not a client id in 0-{self.num_clients - 1}"
+        elif info.get("num_partitions") not in (None, self.num_clients):
+            why = f"num-partitions {info.get('num_partitions')} differs from data.num_clients {self.num_clients}"
+        elif c in self.registered and self.registered[c] != node:
+            why = f"claims client {c}, whose SuperNode auth key is registered to node {self.registered[c]}"
+        elif c in self.client_node and self.client_node[c] != node and self.client_node[c] in self.nodes:
+            why = f"claims client {c}, already served by node {self.client_node[c]}"
+        if why:
+            log.warning("node %d is not used: %s", node, why)
+            self.nodes[node] = {**info, "client_id": None, "rejected": why}
+            return
+        key = str(info.get("public_key") or "")
+        expected = self.public_keys.get(c)
+        if expected is not None and key != expected.hex():
+            log.warning("node %d (client %d) signs with key %s, not the registered one: its updates will be "
+                        "rejected as bad_signature", node, c, key[:16] or "(none)")
+        self.nodes[node] = {**info, "client_id": c}
+        self.client_node[c] = node
+        log.info("node %d is client %d (device %s)", node, c, info.get("device", "?"))
+        if self.on_node is not None:
+            self.on_node(c, node, info)
+
+
 # -- jobs: what a ServerApp run does ---------------------------------------------------
 
 
@@ -96,6 +255,7 @@ class Job:
     on_result: Callable[[str, Config, dict], None] = lambda label, cfg, summary: None
     progress: Callable[[str, Config], Callable[[dict], None]] | None = None
     expected_nodes: int = 1
+    resume_run_id: int | None = None  # continue this run (the first config only)
     results: list[dict] = field(default_factory=list)
     error: BaseException | None = None
     error_text: str | None = None
@@ -105,11 +265,12 @@ def run_job(job: Job, grid: Grid) -> None:
     transport = GridTransport(grid)
     try:
         nodes = transport.wait_for_nodes(job.expected_nodes)
-        for label, cfg in job.configs:
+        for i, (label, cfg) in enumerate(job.configs):
             store = job.make_store(label, cfg)
             progress = job.progress(label, cfg) if job.progress else None
             server = AsyncServer(cfg, transport, store, clock="virtual", progress=progress,
-                                 node_for_client=lambda c, nodes=nodes: nodes[c % len(nodes)])
+                                 node_for_client=lambda c, nodes=nodes: nodes[c % len(nodes)],
+                                 resume_run_id=job.resume_run_id if i == 0 else None)
             summary = server.run()
             job.results.append(summary)
             job.on_result(label, cfg, summary)
@@ -155,3 +316,90 @@ def main(grid: Grid, context: Context) -> None:
     if job.error is not None:
         raise job.error
     log.info("fedasync: wrote %s", out)
+
+
+# -- the ServerApp of a real federation (`fedasync server`) ------------------------------
+
+deploy_app = ServerApp()
+
+
+@deploy_app.main()
+def deploy_main(grid: Grid, context: Context) -> None:
+    """Run config ``job``: the JSON job that ``fedasync server`` wrote (see :func:`run_deployment`)."""
+    raw = str(context.run_config.get("job", ""))
+    if not raw:
+        raise RuntimeError("run config `job` is empty: start deployments with `fedasync server`")
+    run_deployment(grid, json.loads(raw))
+
+
+def _write_status(out: Path, **status: Any) -> None:
+    tmp = out / "server-status.json.tmp"
+    tmp.write_text(json.dumps({"pid": os.getpid(), "time": time.time(), **status}, indent=2) + "\n")
+    tmp.replace(out / "server-status.json")
+
+
+def run_deployment(grid: Grid, job: dict) -> dict:
+    """The deployment ServerApp's work. ``job`` keys: ``config_yaml`` (the full config), ``out``
+    (run directory), ``resume`` (run id or null), ``public_keys`` ({client id: raw key hex}),
+    ``registered`` ({client id: node id} from SuperNode-auth registration).
+
+    Writes ``server-status.json`` (state starting|running|done|failed, run id, store URL) for
+    ``fedasync server`` to follow, and at the end the same files as ``simulate``."""
+    import yaml
+
+    from fedasync.config import config_from_dict
+    from fedasync.outputs import write_run_outputs
+    from fedasync.store import Store, default_sqlite_url
+
+    out = Path(job["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(out / "server.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    _write_status(out, state="starting")
+    run_id = None
+    store = None
+    try:
+        cfg = config_from_dict(yaml.safe_load(job["config_yaml"]))
+        store = Store(cfg.store.url or default_sqlite_url(out))
+        keys = {int(c): bytes.fromhex(h) for c, h in (job.get("public_keys") or {}).items()}
+        registered = {int(c): int(n) for c, n in (job.get("registered") or {}).items()}
+
+        def on_node(c: int, node: int, info: dict) -> None:
+            store.register_clients(server.run_id, [{"client_id": c, "node_id": str(node),
+                                                    "public_key": str(info.get("public_key") or "")}])
+
+        transport = DeployTransport(grid, cfg.data.num_clients, registered=registered,
+                                    public_keys=keys if cfg.deploy.signing else None, on_node=on_node,
+                                    hello_timeout=max(60.0, cfg.deploy.node_discovery_timeout))
+
+        def progress(ev: dict) -> None:
+            log.info("v%d  updates=%d accepted=%d live=%d acc=%s", ev["version"], ev["updates"], ev["accepted"],
+                     ev["live"], "-" if ev.get("accuracy") is None else f"{ev['accuracy']:.4f}")
+
+        server = AsyncServer(cfg, transport, store, clock="wall", mode="deployment", progress=progress,
+                             resume_run_id=job.get("resume"), node_for_client=transport.node_for_client,
+                             available_clients=transport.available_clients,
+                             public_keys=keys if cfg.deploy.signing else None)
+        run_id = server.run_id
+        transport.run_id = run_id
+        _write_status(out, state="running", run_id=run_id, store_url=store.url)
+        summary = server.run()
+        write_run_outputs(out, cfg, summary)
+        _write_status(out, state="done", run_id=run_id, store_url=store.url, stop_reason=summary["stop_reason"])
+        return summary
+    except BaseException as e:
+        text = traceback.format_exc()
+        log.error("the deployment ServerApp failed:\n%s", text)
+        if store is not None and run_id is not None:
+            try:
+                store.set_run_status(run_id, "failed", f"{type(e).__name__}: {e}"[:200])
+            except Exception:
+                pass
+        _write_status(out, state="failed", run_id=run_id, store_url=None if store is None else store.url,
+                      error=f"{type(e).__name__}: {e}", traceback=text)
+        raise
+    finally:
+        log.removeHandler(handler)
+        handler.close()

@@ -3,14 +3,34 @@
 Each check returns a short, stable reason string that is recorded with the rejected update:
 
 ``missing_params``, ``missing_key``, ``extra_key``, ``bad_shape``, ``bad_dtype``,
-``non_finite``, ``norm_exceeded``, ``stale``, ``bad_signature``, ``unknown_client``, ``replay``.
+``non_finite``, ``norm_exceeded``, ``stale``, ``bad_signature``, ``unknown_client``, ``replay``,
+``late``.
+
+:meth:`UpdateValidator.check` runs, in this order (the first failing check names the reason):
+
+1. ``unknown_client``: signing is on and no public key is registered for the task's client, or
+   the reply names a client (``metrics["client_id"]``, set by a deployed ClientApp from its
+   node config) other than the one the task was sent to.
+2. ``missing_params``: the reply carries no parameters.
+3. ``bad_signature``: signing is on and the reply's signature is missing or is not the
+   registered key's Ed25519 signature over ``(run id, task id, base version, sha256 of the
+   parameters)`` (:func:`fedasync.signing.update_message`).
+4. ``missing_key`` / ``extra_key`` / ``bad_shape`` / ``bad_dtype`` / ``non_finite``: the
+   parameters must have exactly the global model's keys, shapes and dtypes, all values finite.
+5. ``norm_exceeded``: ``||x_i - x_base||_2 > server.max_update_norm`` (when set).
+6. ``stale``: ``staleness > server.max_staleness`` (when set).
+
+Two reasons are decided by the server loop, which knows which tasks are open:
+``replay`` (a reply for a task that is not open: already closed, or never dispatched; recorded
+in the ``replays`` table) and ``late`` (a reply after its task's ``server.task_timeout`` under
+``server.late_policy: reject``).
 
 Pure: imports neither Flower nor the database.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -18,19 +38,41 @@ from fedasync.config import ServerConfig
 
 Params = dict[str, np.ndarray]
 
-# (reply, live task, run_id) -> reason or None; set by deployments that sign updates
+# (reply, live task, run_id) -> reason or None: an extra check a deployment may add
 SignatureCheck = Callable[[Any, Any, int], str | None]
+
+REASONS = (
+    "missing_params", "missing_key", "extra_key", "bad_shape", "bad_dtype", "non_finite",
+    "norm_exceeded", "stale", "bad_signature", "unknown_client", "replay", "late",
+)
 
 
 class UpdateValidator:
-    def __init__(self, reference: Params, cfg: ServerConfig, signature_check: SignatureCheck | None = None):
+    """Validates replies against the global model's structure and, when ``public_keys`` is
+    given, against each client's registered Ed25519 key (``{client_id: public key}``; a key is an
+    ``Ed25519PublicKey``, PEM bytes or 32 raw bytes)."""
+
+    def __init__(self, reference: Params, cfg: ServerConfig, signature_check: SignatureCheck | None = None,
+                 public_keys: Mapping[int, Any] | None = None):
         self.spec = {k: (v.shape, v.dtype) for k, v in reference.items()}
         self.cfg = cfg
         self.signature_check = signature_check
+        self.public_keys = None
+        if public_keys is not None:
+            from fedasync.signing import load_public_key
+
+            self.public_keys = {int(c): (k if hasattr(k, "verify") else load_public_key(k))
+                                for c, k in public_keys.items()}
+
+    @property
+    def signing(self) -> bool:
+        return self.public_keys is not None
 
     def check_params(self, params: Params | None, base: Params | None = None) -> str | None:
         if params is None:
             return "missing_params"
+        if not isinstance(params, Mapping):
+            return "bad_shape"
         for k in self.spec:
             if k not in params:
                 return "missing_key"
@@ -52,8 +94,42 @@ class UpdateValidator:
                 return "norm_exceeded"
         return None
 
+    def check_identity(self, reply: Any, live: Any) -> str | None:
+        claimed = (getattr(reply, "metrics", None) or {}).get("client_id")
+        if claimed is not None:
+            try:
+                if int(claimed) != int(live.client_id):
+                    return "unknown_client"
+            except (TypeError, ValueError):
+                return "unknown_client"
+        if self.public_keys is not None and int(live.client_id) not in self.public_keys:
+            return "unknown_client"
+        return None
+
+    def check_signature(self, reply: Any, live: Any, run_id: int) -> str | None:
+        if self.public_keys is None:
+            return None
+        from fedasync.server.strategies import params_sha256
+        from fedasync.signing import verify_update
+
+        try:
+            sha = params_sha256(reply.params)
+        except Exception:  # arrays that cannot even be hashed cannot carry a valid signature
+            return "bad_signature"
+        ok = verify_update(self.public_keys[int(live.client_id)], reply.signature, run_id, live.task_id,
+                           live.base_version, sha)
+        return None if ok else "bad_signature"
+
     def check(self, reply: Any, live: Any, staleness: int, run_id: int = 0,
               base: Params | None = None) -> str | None:
+        reason = self.check_identity(reply, live)
+        if reason:
+            return reason
+        if reply.params is None:
+            return "missing_params"
+        reason = self.check_signature(reply, live, run_id)
+        if reason:
+            return reason
         if self.signature_check is not None:
             reason = self.signature_check(reply, live, run_id)
             if reason:

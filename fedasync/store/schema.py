@@ -96,6 +96,9 @@ class Update(Base):
     accepted: Mapped[bool] = mapped_column(Boolean)
     reason: Mapped[str | None] = mapped_column(String(100), nullable=True)
     applied_in_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # the parameters of an accepted update still waiting in the strategy's buffer (cleared once
+    # aggregated): a resumed server rebuilds the buffer from these
+    pending_params: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     received_virtual: Mapped[float] = mapped_column(Float)
     received_wall: Mapped[float] = mapped_column(Float)
 
@@ -127,3 +130,24 @@ class PrivacySpend(Base):
     epsilon: Mapped[float] = mapped_column(Float)
     delta: Mapped[float] = mapped_column(Float)
     recorded_wall: Mapped[float] = mapped_column(Float)
+
+
+class Replay(Base):
+    """A reply that matched no open task (a replay of a closed task's reply, or one for a task
+    that was never dispatched). Kept apart from ``updates``, whose ``UNIQUE(run_id, task_id)``
+    holds the one reply that closed each task. Added by migration 0002."""
+
+    __tablename__ = "replays"
+    __table_args__ = (Index("ix_replays_run", "run_id"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    task_id: Mapped[int | None] = mapped_column(Integer, nullable=True)  # the task it claims to answer
+    client_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    message_id: Mapped[str | None] = mapped_column(String(100), nullable=True)
+    reason: Mapped[str] = mapped_column(String(100))  # replay
+    params_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    received_virtual: Mapped[float] = mapped_column(Float)
+    received_wall: Mapped[float] = mapped_column(Float)
+
+
+from fedasync.store import serverless_schema as _serverless_schema  # noqa: E402,F401  (ledger, gossip tables)

@@ -236,12 +236,15 @@ class Store:
 
     def record_reply(self, run_id: int, task_id: int, update_row: dict, dispatch_status: str,
                      new_version: dict | None, loop_state: str, virtual_time: float,
-                     privacy: dict | None = None, client_state: dict | None = None) -> None:
+                     privacy: dict | list[dict] | None = None, client_state: dict | None = None) -> None:
         """One transaction: the update (accepted or rejected), the dispatch's status, the model
         version it produced (with the ids of every update aggregated into it), the run's
         current version and resumable loop state, and the client's privacy spend."""
         with self.session() as s:
-            s.add(S.Update(run_id=run_id, task_id=task_id, received_wall=time.time(), **update_row))
+            row = dict(update_row)
+            if row.get("pending_params") is not None:
+                row["pending_params"] = encode_params(row["pending_params"])
+            s.add(S.Update(run_id=run_id, task_id=task_id, received_wall=time.time(), **row))
             self._set_dispatch(s, run_id, task_id, dispatch_status, None)
             values: dict[str, Any] = {"loop_state": loop_state, "virtual_time": virtual_time}
             if new_version is not None:
@@ -251,16 +254,68 @@ class Store:
                 s.flush()
                 s.execute(update(S.Update)
                           .where(S.Update.run_id == run_id, S.Update.task_id.in_(new_version["task_ids"]))
-                          .values(applied_in_version=v))
+                          .values(applied_in_version=v, pending_params=None))
                 values["current_version"] = v
             s.execute(update(S.Run).where(S.Run.id == run_id).values(**values))
-            if privacy is not None:
-                s.add(S.PrivacySpend(run_id=run_id, task_id=task_id, recorded_wall=time.time(), **privacy))
+            for row in ([privacy] if isinstance(privacy, dict) else privacy or []):  # one row or several
+                s.add(S.PrivacySpend(run_id=run_id, task_id=task_id, recorded_wall=time.time(), **row))
             if client_state is not None:
                 row = s.get(S.Client, (run_id, update_row["client_id"]))
                 if row is not None:
                     for k, val in client_state.items():
                         setattr(row, k, val)
+
+    def record_dispatches(self, run_id: int, rows: list[dict], next_task_id: int,
+                          loop_state: str | None = None, virtual_time: float | None = None) -> None:
+        """One transaction for a batch of dispatches: their rows (``task_id, client_id,
+        base_version, sent_virtual, finish_virtual, node_id, message_id`` and optionally
+        ``status``/``error``; a row whose task id exists already is updated: a task re-sent on
+        resume), the run's next task id and the loop state after choosing them."""
+        with self.session() as s:
+            for r in rows:
+                r = dict(r)
+                node = r.pop("node_id", None)
+                r["node_id"] = None if node is None else str(node)
+                r.setdefault("status", "in_flight")
+                r.setdefault("error", None)
+                old = s.scalars(select(S.Dispatch).where(S.Dispatch.run_id == run_id,
+                                                         S.Dispatch.task_id == r["task_id"])).first()
+                if old is None:
+                    s.add(S.Dispatch(run_id=run_id, sent_wall=time.time(), **r))
+                else:
+                    for k, v in r.items():
+                        setattr(old, k, v)
+                    old.sent_wall, old.done_wall = time.time(), None
+            values: dict[str, Any] = {"next_task_id": next_task_id}
+            if loop_state is not None:
+                values["loop_state"] = loop_state
+            if virtual_time is not None:
+                values["virtual_time"] = virtual_time
+            s.execute(update(S.Run).where(S.Run.id == run_id).values(**values))
+
+    def record_replay(self, run_id: int, row: dict) -> None:
+        """A reply that matched no open task (see ``schema.Replay``)."""
+        with self.session() as s:
+            s.add(S.Replay(run_id=run_id, received_wall=time.time(), **row))
+
+    def replays(self, run_id: int) -> list[S.Replay]:
+        with self.session() as s:
+            return list(s.scalars(select(S.Replay).where(S.Replay.run_id == run_id).order_by(S.Replay.id)))
+
+    def dispatch_status_counts(self, run_id: int) -> dict[str, int]:
+        with self.session() as s:
+            rows = s.execute(select(S.Dispatch.status, func.count()).where(S.Dispatch.run_id == run_id)
+                             .group_by(S.Dispatch.status))
+            return {status: int(n) for status, n in rows}
+
+    def pending_updates(self, run_id: int) -> list[tuple[S.Update, Params]]:
+        """Accepted updates not yet aggregated, with their parameters, in the order they arrived."""
+        with self.session() as s:
+            rows = s.scalars(select(S.Update).where(S.Update.run_id == run_id, S.Update.accepted.is_(True),
+                                                    S.Update.applied_in_version.is_(None),
+                                                    S.Update.pending_params.is_not(None))
+                             .order_by(S.Update.id))  # the order they were added in (float sums)
+            return [(r, decode_params(r.pending_params)) for r in rows]
 
     def dispatches(self, run_id: int, status: str | None = None) -> list[S.Dispatch]:
         with self.session() as s:

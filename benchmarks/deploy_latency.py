@@ -1,0 +1,143 @@
+"""Deployment latency on loopback: `fedasync server` with N SuperNodes from `fedasync client`.
+
+    python benchmarks/deploy_latency.py --nodes 3 --versions 12 --out runs/bench-deploy
+
+Starts a SuperLink (TLS and SuperNode authentication unless --insecure), N SuperNodes on
+127.0.0.1 and the asynchronous server (FedAsync: one version per accepted update, signed
+updates), waits until it has applied --versions updates, and reads from the store:
+
+- per-update latency: dispatch (``dispatches.sent_wall``) to the reply taken by the server
+  (``updates.received_wall``): Flower's 3 s SuperNode poll, a new ``flwr-clientapp`` process
+  per message, local training, the way back;
+- updates per minute in the steady state: accepted updates between the first and the last
+  taken reply, divided by that time;
+- start-up: from `fedasync server` to its first applied update (SuperLink, registration,
+  ``flwr run``, the hello to every node).
+
+Writes ``deploy_latency.json`` and prints a table. Every process is stopped by PID at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from fedasync.cli.deploy import make_certs, make_supernode_auth_key, stop_process
+from fedasync.signing import generate_key, save_keypair
+from fedasync.store import Store
+
+FEDASYNC = str(Path(sys.executable).with_name("fedasync"))
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--versions", type=int, default=12, help="accepted updates to wait for")
+    ap.add_argument("--local-epochs", type=int, default=1)
+    ap.add_argument("--insecure", action="store_true", help="plain HTTP, no TLS or SuperNode auth")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--timeout", type=float, default=1800)
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="fedasync-bench-"))
+    out = (args.out or work / "report").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    keys, certs, run_dir = work / "keys", work / "certs", work / "run"
+    n = args.nodes
+    for i in range(n):
+        save_keypair(generate_key(), keys, f"client-{i}")
+        make_supernode_auth_key(keys, f"supernode-{i}")
+    make_certs(certs, ["127.0.0.1", "localhost"])
+    cfg = work / "bench.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "name": "deploy-latency", "seed": 0,
+        "data": {"dataset": "digits", "num_clients": n, "partitioner": "iid"},
+        "model": {"name": "mlp", "hidden": 64},
+        "train": {"local_epochs": args.local_epochs, "batch_size": 32, "lr": 0.1, "device": "cpu"},
+        "server": {"strategy": "fedasync", "concurrency": n, "max_versions": args.versions,
+                   "eval_every": max(1, args.versions // 3), "task_timeout": 600},
+        "deploy": {"signing": True, "public_keys": str(keys), "node_discovery_timeout": 600},
+    }))
+    link, *node_ports = free_ports(n + 1)
+    tls = ["--insecure"] if args.insecure else ["--certs", str(certs), "--supernode-auth", str(keys)]
+    procs: list[subprocess.Popen] = []
+
+    def start(cmd, log, home):
+        f = open(log, "wb")
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             env=dict(os.environ, FLWR_HOME=str(home), PYTHONUNBUFFERED="1"), start_new_session=True)
+        f.close()
+        procs.append(p)
+        return p
+
+    t0 = time.time()
+    try:
+        server = start([FEDASYNC, "server", str(cfg), "--out", str(run_dir), "--port", str(link), *tls],
+                       work / "server.out", work / "flwr" / "server")
+        t_reg = time.monotonic()
+        while not args.insecure and "SuperNode key(s)" not in (work / "server.out").read_text(errors="replace"):
+            if server.poll() is not None or time.monotonic() - t_reg > 300:
+                raise SystemExit("server did not register the keys:\n" + (work / "server.out").read_text()[-2000:])
+            time.sleep(0.5)
+        for i in range(n):
+            node_tls = (["--insecure"] if args.insecure else
+                        ["--root-certificates", str(certs / "ca.crt"), "--auth-key", str(keys / f"supernode-{i}.key")])
+            start([FEDASYNC, "client", "--superlink", f"127.0.0.1:{link}", "--partition-id", str(i),
+                   "--num-partitions", str(n), "--signing-key", str(keys / f"client-{i}.key"),
+                   "--port", str(node_ports[i]), *node_tls], work / f"client-{i}.log", work / "flwr" / f"node-{i}")
+        rc = server.wait(timeout=args.timeout)
+        if rc != 0:
+            raise SystemExit(f"server failed ({rc}):\n" + (work / "server.out").read_text()[-3000:])
+    finally:
+        for p in reversed(procs):
+            stop_process(p, timeout=15)
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    store = Store(summary["store_url"], create=False)
+    rid = summary["run_id"]
+    sent = {d.task_id: d.sent_wall for d in store.dispatches(rid)}
+    ups = [u for u in store.updates(rid) if u.accepted]
+    lat = np.array([u.received_wall - sent[u.task_id] for u in ups])
+    recv = sorted(u.received_wall for u in ups)
+    window = recv[-1] - recv[0]
+    report = {
+        "nodes": n, "tls_and_auth": not args.insecure, "local_epochs": args.local_epochs,
+        "updates_accepted": len(ups), "versions": summary["versions"],
+        "latency_s": {"mean": float(lat.mean()), "p50": float(np.percentile(lat, 50)),
+                      "p95": float(np.percentile(lat, 95)), "min": float(lat.min()), "max": float(lat.max())},
+        "updates_per_minute": (len(recv) - 1) / window * 60 if window > 0 else None,
+        "startup_to_first_update_s": recv[0] - t0,
+        "total_s": time.time() - t0,
+        "final_accuracy": summary["final_accuracy"],
+        "cpus": os.cpu_count(),
+        "load_avg_1min_at_end": os.getloadavg()[0],
+    }
+    (out / "deploy_latency.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+    print(f"wrote {out / 'deploy_latency.json'} (run directory {run_dir})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,326 @@
+"""Deployment on 127.0.0.1: a SuperLink with TLS and SuperNode authentication, SuperNodes started
+by ``fedasync client``, the asynchronous ServerApp started by ``fedasync server``.
+
+The end-to-end test starts real Flower processes (marked ``deploy``). Every process is
+started in its own session and stopped by PID in ``finally`` (with the processes Flower
+started below it, found through /proc); a last sweep stops anything still carrying this
+test's private ``FLWR_HOME``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from fedasync.cli import app as cli_app
+from fedasync.cli.deploy import _alive, descendants, stop_process, supernode_command
+
+FEDASYNC = str(Path(sys.executable).with_name("fedasync"))
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+class Processes:
+    """Processes this test started; all stopped by PID, pass or fail."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], log: Path, flwr_home: Path) -> subprocess.Popen:
+        env = dict(os.environ, FLWR_HOME=str(flwr_home), PYTHONUNBUFFERED="1")
+        f = open(log, "wb")
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                             start_new_session=True)
+        f.close()
+        self.procs.append(p)
+        return p
+
+    def ours(self) -> list[tuple[int, int]]:
+        """Processes whose environment carries this test's FLWR_HOME (Flower's detached children)."""
+        out = []
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                env = Path(f"/proc/{d}/environ").read_bytes()
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            if f"FLWR_HOME={self.marker}".encode() in env:
+                out.append((int(d), int(stat[stat.rfind(")") + 2:].split()[19])))
+        return out
+
+    def stop_all(self) -> None:
+        for p in reversed(self.procs):
+            stop_process(p, timeout=15)
+        left = [x for x in self.ours() if _alive(*x)]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid, start in left:
+                if _alive(pid, start):
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+            time.sleep(1.0)
+        assert not [x for x in self.ours() if _alive(*x)], "processes left running"
+
+
+def wait_for_text(path: Path, text: str, timeout: float, proc: subprocess.Popen) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited ({proc.returncode}):\n{path.read_text(errors='replace')[-3000:]}")
+        time.sleep(0.5)
+    raise AssertionError(f"{text!r} not seen in {path} after {timeout:.0f} s:\n{path.read_text(errors='replace')[-3000:]}")
+
+
+def test_keys_and_certs_commands(tmp_path):
+    runner = CliRunner()
+    r = runner.invoke(cli_app, ["keys", "gen", "--out", str(tmp_path / "k"), "--clients", "2"])
+    assert r.exit_code == 0, r.output
+    names = sorted(p.name for p in (tmp_path / "k").iterdir())
+    assert names == ["client-0.key", "client-0.pub", "client-1.key", "client-1.pub",
+                     "supernode-0.key", "supernode-0.pub", "supernode-1.key", "supernode-1.pub"]
+    assert (tmp_path / "k" / "client-0.key").stat().st_mode & 0o077 == 0
+    assert (tmp_path / "k" / "supernode-0.pub").read_text().startswith("ecdsa-sha2-nistp384 ")
+    r = runner.invoke(cli_app, ["keys", "gen", "--out", str(tmp_path / "k"), "--clients", "1"])
+    assert r.exit_code == 2 and "not overwriting" in r.output
+    r = runner.invoke(cli_app, ["certs", "gen", "--out", str(tmp_path / "c"), "--host", "edge.example"])
+    assert r.exit_code == 0, r.output
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate((tmp_path / "c" / "server.pem").read_bytes())
+    ca = x509.load_pem_x509_certificate((tmp_path / "c" / "ca.crt").read_bytes())
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "edge.example" in sans.get_values_for_type(x509.DNSName)
+    assert "localhost" in sans.get_values_for_type(x509.DNSName)
+    assert [str(a) for a in sans.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    cert.verify_directly_issued_by(ca)  # raises if the CA did not sign it
+
+
+def test_client_command_checks_its_inputs(tmp_path):
+    runner = CliRunner()
+    base = ["client", "--superlink", "127.0.0.1:9092", "--num-partitions", "4"]
+    cases = [
+        (["--partition-id", "4", "--insecure"], "--partition-id: 4 is not in 0-3"),
+        (["--partition-id", "0"], "--root-certificates: needed for TLS"),
+        (["--partition-id", "0", "--insecure", "--auth-key", str(tmp_path / "x")], "needs TLS"),
+        (["--partition-id", "0", "--root-certificates", str(tmp_path / "nope.crt")], "no such file"),
+        (["--partition-id", "0", "--insecure", "--device", "tpu"], "--device"),
+    ]
+    for extra, msg in cases:
+        r = runner.invoke(cli_app, base + extra)
+        assert r.exit_code == 2 and msg in r.output, (extra, r.output)
+    r = runner.invoke(cli_app, ["client", "--superlink", "nohostport", "--partition-id", "0",
+                                "--num-partitions", "2", "--insecure"])
+    assert r.exit_code == 2 and "HOST:PORT" in r.output
+
+
+def test_supernode_command_carries_the_node_config(tmp_path):
+    key = tmp_path / "client-1.key"
+    key.write_text("x")
+    cmd = supernode_command("10.0.0.1:9092", 1, 4, data=tmp_path / "d 1.npz", insecure=True, signing_key=key,
+                            port=9101, device="cpu")
+    from flwr.common.config import parse_config_args
+
+    node = parse_config_args([cmd[cmd.index("--node-config") + 1]])
+    assert node == {"partition-id": 1, "num-partitions": 4, "data-path": str((tmp_path / "d 1.npz").resolve()),
+                    "signing-key": str(key.resolve()), "device": "cpu"}
+    assert cmd[cmd.index("--superlink") + 1] == "10.0.0.1:9092" and "--insecure" in cmd
+    assert cmd[cmd.index("--port") + 1] == "9101"
+
+
+def test_server_command_checks_its_inputs(tmp_path):
+    runner = CliRunner()
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"data": {"num_clients": 4}, "server": {"concurrency": 2, "buffer_size": 2},
+                                   "deploy": {"signing": True}}))
+    r = runner.invoke(cli_app, ["server", str(cfg), "--insecure", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "deploy.public_keys: needed" in r.output
+    cfg.write_text(yaml.safe_dump({"data": {"num_clients": 4}, "server": {"concurrency": 2, "buffer_size": 2}}))
+    r = runner.invoke(cli_app, ["server", str(cfg), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "TLS: give --certs" in r.output
+    r = runner.invoke(cli_app, ["server", str(cfg), "--insecure", "--supernode-auth", str(tmp_path)])
+    assert r.exit_code == 2 and "needs TLS" in r.output
+    r = runner.invoke(cli_app, ["server", "--insecure"])
+    assert r.exit_code == 2 and "CONFIG" in r.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_descendants_finds_grandchildren():
+    p = subprocess.Popen([sys.executable, "-c", "import subprocess,sys,time; "
+                          "subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)']); time.sleep(60)"],
+                         start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while not descendants(p.pid) and time.monotonic() - t0 < 20:
+            time.sleep(0.1)
+        below = descendants(p.pid)
+        assert len(below) == 1
+    finally:
+        stop_process(p, timeout=1)
+    assert not _alive(*below[0])
+
+
+class FakeGrid:
+    """Nodes answer the hello with ``hellos[node]`` (None: an error reply)."""
+
+    def __init__(self, hellos: dict[int, dict | None]):
+        self.hellos = dict(hellos)
+        self.nodes = set(hellos)
+        self.pushed: list = []
+        self.replies: dict[str, object] = {}
+        self.n = 0
+
+    def get_node_ids(self):
+        return sorted(self.nodes)
+
+    def push_messages(self, msgs):
+        from types import SimpleNamespace as NS
+
+        ids = []
+        for m in msgs:
+            self.n += 1
+            mid = f"h{self.n}"
+            self.pushed.append((m.metadata.dst_node_id, m.metadata.message_type))
+            info = self.hellos[m.metadata.dst_node_id]
+            self.replies[mid] = NS(metadata=NS(reply_to_message_id=mid), has_error=lambda info=info: info is None,
+                                   error=NS(code=2, reason="boom"),
+                                   content={"hello": {"json": json.dumps(info)}})
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, ids):
+        return [self.replies.pop(i) for i in ids if i in self.replies]
+
+
+@pytest.fixture
+def in_a_flower_run(monkeypatch):
+    """Flower's Message() needs the identity of a running task (the ServerApp's, in a real run)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for attr in ("_run_id", "_task_id", "_node_id"):
+        monkeypatch.setattr(TaskIdentity, attr, 1, raising=False)
+
+
+def _hello(c, n=4, key=""):
+    return {"partition_id": c, "num_partitions": n, "public_key": key, "device": "cpu"}
+
+
+def test_deploy_transport_maps_nodes_to_clients_by_hello(in_a_flower_run):
+    from fedasync.server.app import DeployTransport
+
+    k2 = bytes(range(32))
+    grid = FakeGrid({11: _hello(0), 12: _hello(1), 13: _hello(1), 14: _hello(7), 15: _hello(2, n=5),
+                     16: None, 17: _hello(3), 18: _hello(2, key=k2.hex())})
+    seen = []
+    t = DeployTransport(grid, 4, registered={3: 99}, public_keys={2: k2}, on_node=lambda c, n, i: seen.append((c, n)),
+                        refresh_every=0.0, min_pull_interval=0.0, hello_retry=0.0)
+    t.refresh()
+    assert sorted(n for n, kind in grid.pushed) == sorted(grid.nodes) and {k for _, k in grid.pushed} == {"query"}
+    t.refresh()
+    # 12 and 13 both claim client 1: the first answer wins; 14 is out of range; 15 has another
+    # num-partitions; 16 failed (retried later); 17 claims client 3, registered to node 99
+    assert t.client_node == {0: 11, 1: 12, 2: 18}
+    assert t.available_clients() == {0, 1, 2} and t.node_for_client(2) == 18 and t.node_for_client(3) is None
+    assert sorted(seen) == [(0, 11), (1, 12), (2, 18)]
+    assert "already served" in t.nodes[13]["rejected"] and "registered to node 99" in t.nodes[17]["rejected"]
+    assert "not a client id" in t.nodes[14]["rejected"] and "num-partitions" in t.nodes[15]["rejected"]
+    assert 16 in t.hello_failed and 16 not in t.nodes
+    # a node that leaves is unmapped; the failed one is greeted again
+    grid.nodes.discard(12)
+    grid.hellos[16] = _hello(1)
+    t.refresh()
+    t.refresh()
+    assert t.client_node == {0: 11, 2: 18, 1: 16}
+
+
+@pytest.mark.deploy
+def test_deploy_end_to_end_tls_auth_signing(tmp_path):
+    """3 honest SuperNodes and one signing with an unregistered key; >= 6 updates applied."""
+    runner = CliRunner()
+    keys, bad, certs = tmp_path / "keys", tmp_path / "bad", tmp_path / "certs"
+    assert runner.invoke(cli_app, ["keys", "gen", "--out", str(keys), "--clients", "4"]).exit_code == 0
+    assert runner.invoke(cli_app, ["keys", "gen", "--out", str(bad), "--clients", "1", "--first", "3",
+                                   "--no-supernode-auth"]).exit_code == 0
+    assert runner.invoke(cli_app, ["certs", "gen", "--out", str(certs), "--host", "127.0.0.1"]).exit_code == 0
+    cfg = tmp_path / "deploy.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "name": "e2e", "seed": 0,
+        "data": {"dataset": "digits", "num_clients": 4, "partitioner": "iid"},
+        "model": {"name": "mlp", "hidden": 32},
+        "train": {"local_epochs": 1, "batch_size": 32, "lr": 0.1},
+        "server": {"strategy": "fedasync", "concurrency": 4, "max_versions": 6, "eval_every": 3,
+                   "task_timeout": 600},
+        "deploy": {"signing": True, "public_keys": str(keys), "node_discovery_timeout": 300},
+    }))
+    home = tmp_path / "flwr"
+    out = tmp_path / "run"
+    link_port, *node_ports = free_ports(5)
+    procs = Processes(home)
+    try:
+        server = procs.start([FEDASYNC, "server", str(cfg), "--out", str(out), "--certs", str(certs),
+                              "--supernode-auth", str(keys), "--port", str(link_port)],
+                             tmp_path / "server.out", home / "server")
+        # a SuperNode whose auth key is not yet registered is refused: start them after registration
+        wait_for_text(tmp_path / "server.out", "registered 4 SuperNode key(s)", 180, server)
+        for i in range(4):
+            signing = (bad if i == 3 else keys) / f"client-{i}.key"
+            procs.start([FEDASYNC, "client", "--superlink", f"127.0.0.1:{link_port}", "--partition-id", str(i),
+                         "--num-partitions", "4", "--root-certificates", str(certs / "ca.crt"),
+                         "--auth-key", str(keys / f"supernode-{i}.key"), "--signing-key", str(signing),
+                         "--port", str(node_ports[i]), "--device", "cpu"],
+                        tmp_path / f"client-{i}.log", home / f"node-{i}")
+        try:
+            rc = server.wait(timeout=900)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("server did not finish:\n" + (tmp_path / "server.out").read_text()[-3000:]
+                                 + "\n" + (out / "server.log").read_text()[-3000:])
+        text = (tmp_path / "server.out").read_text(errors="replace")
+        assert rc == 0, text[-3000:] + "\n" + (out / "server.log").read_text()[-3000:]
+    finally:
+        procs.stop_all()
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["versions"] >= 6 and summary["updates_accepted"] >= 6
+    from fedasync.store import Store
+
+    store = Store(summary["store_url"], create=False)
+    run = store.get_run(summary["run_id"])
+    assert run.mode == "deployment" and run.status == "finished"
+    ups = store.updates(summary["run_id"])
+    honest = [u for u in ups if u.client_id in (0, 1, 2)]
+    forged = [u for u in ups if u.client_id == 3]
+    assert len(honest) >= 6 and all(u.accepted for u in honest)
+    assert forged and all(not u.accepted and u.reason == "bad_signature" for u in forged)
+    assert summary["rejections"] == {"bad_signature": len(forged)}
+    assert summary["updates_accepted"] == sum(u.accepted for u in ups) == len(honest)
+    # each applied version came from exactly one honest update (fedasync: one update per version)
+    assert sorted(u.applied_in_version for u in honest if u.applied_in_version) == list(range(1, summary["versions"] + 1))
+    # the server learnt which node is which client (the hello) and recorded it
+    nodes = {c.client_id: c.node_id for c in store.clients(summary["run_id"])}
+    assert all(nodes[c] for c in range(4)) and len(set(nodes.values())) == 4
+    assert (out / "history.csv").exists() and (out / "config.yaml").exists()

@@ -1,0 +1,370 @@
+"""Crash safety and resume.
+
+Under the virtual clock a resumed run re-sends the tasks that were in flight exactly as they
+were, so a run that crashed (anywhere) and was resumed must end with the same model, history
+and counts as the run that never stopped. That is checked here for crashes injected at every
+kind of commit point (in process, fast), for a real ``kill -9`` of ``fedasync simulate`` and for
+SIGINT, plus the store invariants: versions contiguous, every accepted update applied in
+exactly one version or still pending in the restored buffer, summary counts equal to the store.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedasync.config import config_from_dict
+from fedasync.server.loop import AsyncServer, LocalTransport, check_resume_config
+from fedasync.store import Store
+
+FEDASYNC = str(Path(sys.executable).with_name("fedasync"))
+
+
+class Crash(BaseException):
+    """Stands for the process dying (not an Exception: nothing in the loop may catch it)."""
+
+
+def make_cfg(strategy: str, **extra):
+    server = {"strategy": strategy, "concurrency": 4, "max_versions": 8, "eval_every": 3}
+    if strategy == "fedbuff":
+        server["buffer_size"] = 3
+    if strategy == "fedavg":
+        server.update(clients_per_round=3, backup_workers=1)
+    server.update(extra.pop("server", {}))
+    raw = {
+        "name": f"resume-{strategy}", "seed": 5,
+        "data": {"dataset": "digits", "num_clients": 12, "partitioner": "dirichlet", "alpha": 0.5},
+        "model": {"name": "mlp", "hidden": 16},
+        "train": {"local_steps": 3, "batch_size": 8},
+        "server": server,
+        **extra,
+    }
+    return config_from_dict(raw)
+
+
+def store_at(path: Path) -> Store:
+    return Store(f"sqlite:///{path}")
+
+
+_REFS: dict[str, dict] = {}
+
+
+def reference(cfg, tmp_path_factory) -> dict:
+    key = cfg.to_yaml()
+    if key not in _REFS:
+        d = tmp_path_factory.mktemp("ref")
+        _REFS[key] = AsyncServer(cfg, LocalTransport(), store_at(d / "ref.db")).run()
+    return _REFS[key]
+
+
+def check_invariants(store: Store, summary: dict) -> None:
+    run_id = summary["run_id"]
+    run = store.get_run(run_id)
+    versions = store.versions(run_id)
+    assert [v.version for v in versions] == list(range(summary["versions"] + 1))
+    assert all(v.parent == v.version - 1 for v in versions[1:])
+    ups = store.updates(run_id)
+    accepted = [u for u in ups if u.accepted]
+    applied = Counter(u.applied_in_version for u in accepted if u.applied_in_version is not None)
+    for v in versions[1:]:  # every version names the updates it was made of; none is used twice
+        assert applied[v.version] == v.num_updates >= 1
+    assert sum(applied.values()) + len([u for u in accepted if u.applied_in_version is None]) == len(accepted)
+    pending = sorted(u.task_id for u in accepted if u.applied_in_version is None)
+    assert pending == sorted(u.task_id for u, _ in store.pending_updates(run_id))
+    assert all(u.applied_in_version is None for u in ups if not u.accepted)
+    # the summary's counts are the store's
+    replays = store.replays(run_id)
+    st = store.dispatch_status_counts(run_id)
+    assert summary["updates_received"] == len(ups)
+    assert summary["updates_accepted"] == len(accepted)
+    assert summary["updates_rejected"] == len(ups) - len(accepted)
+    assert summary["rejections"] == dict(sorted((Counter(u.reason for u in ups if not u.accepted)
+                                                 + Counter(r.reason for r in replays)).items()))
+    assert summary["tasks_failed"] == sum(st.get(k, 0) for k in ("failed", "timeout", "late"))
+    assert st.get("in_flight", 0) == 0
+    assert summary["model_sha256"] == versions[-1].sha256
+    assert json.loads(run.summary_json)["model_sha256"] == summary["model_sha256"]
+    assert run.current_version == summary["versions"]
+
+
+SAME = ("versions", "updates_received", "updates_accepted", "rejections", "tasks_failed", "staleness",
+        "model_sha256", "final_accuracy", "time_to_target_s", "virtual_time_s")
+
+
+def assert_same_run(a: dict, b: dict) -> None:
+    for k in SAME:
+        assert a[k] == b[k], k
+    assert [(h["version"], h["accuracy"], h["loss"]) for h in a["history"]] == \
+           [(h["version"], h["accuracy"], h["loss"]) for h in b["history"]]
+    assert [h["virtual_time_s"] for h in a["history"]] == pytest.approx([h["virtual_time_s"] for h in b["history"]])
+
+
+def crash_at(obj, name: str, n: int, before: bool) -> None:
+    """Make the n-th call of ``obj.name`` crash, before or after it did its work (committed)."""
+    orig = getattr(obj, name)
+    calls = [0]
+
+    def wrapper(*a, **k):
+        calls[0] += 1
+        if calls[0] == n and before:
+            raise Crash(f"{name} #{n} (before)")
+        out = orig(*a, **k)
+        if calls[0] == n:
+            raise Crash(f"{name} #{n} (after)")
+        return out
+
+    setattr(obj, name, wrapper)
+
+
+POINTS = [("send", 3, True), ("record_dispatches", 4, False), ("record_reply", 5, True),
+          ("record_reply", 9, False), ("record_eval", 2, True), ("record_reply", 14, False)]
+CASES = [("fedbuff", p) for p in POINTS] + [("fedasync", POINTS[2]), ("fedasync", ("record_reply", 6, False)),
+                                            ("fedavg", POINTS[1]), ("fedavg", POINTS[3])]
+
+
+@pytest.mark.parametrize("strategy,point", CASES, ids=[f"{s}-{p[0]}{p[1]}{'b' if p[2] else 'a'}" for s, p in CASES])
+def test_crash_anywhere_then_resume_is_the_uninterrupted_run(tmp_path, tmp_path_factory, strategy, point):
+    cfg = make_cfg(strategy)
+    ref = reference(cfg, tmp_path_factory)
+    db = tmp_path / "s.db"
+    store = store_at(db)
+    transport = LocalTransport()
+    name, n, before = point
+    crash_at(transport if name == "send" else store, name, n, before)
+    server = AsyncServer(cfg, transport, store)
+    with pytest.raises(Crash):
+        server.run()
+    run_id = server.run_id
+    assert store_at(db).get_run(run_id).status == "running"  # as a killed server leaves it
+
+    store2 = store_at(db)
+    summary = AsyncServer(cfg, LocalTransport(), store2, resume_run_id=run_id).run()
+    assert summary["run_id"] == run_id and summary["stop_reason"] == "max_versions"
+    check_invariants(store2, summary)
+    assert_same_run(summary, ref)
+
+
+def test_crash_twice_then_resume(tmp_path, tmp_path_factory):
+    cfg = make_cfg("fedbuff")
+    ref = reference(cfg, tmp_path_factory)
+    db = tmp_path / "s.db"
+    store = store_at(db)
+    crash_at(store, "record_reply", 4, False)
+    server = AsyncServer(cfg, LocalTransport(), store)
+    with pytest.raises(Crash):
+        server.run()
+    store = store_at(db)
+    crash_at(store, "record_reply", 6, True)
+    with pytest.raises(Crash):
+        AsyncServer(cfg, LocalTransport(), store, resume_run_id=server.run_id).run()
+    store = store_at(db)
+    summary = AsyncServer(cfg, LocalTransport(), store, resume_run_id=server.run_id).run()
+    check_invariants(store, summary)
+    assert_same_run(summary, ref)
+
+
+def test_finished_run_continues_with_a_higher_limit(tmp_path, tmp_path_factory):
+    """A run stopped at max_versions=8 and continued to 12 is the run made with 12 (its live tasks
+    were cancelled at the stop and are re-sent as they were)."""
+    ref12 = reference(make_cfg("fedbuff", server={"max_versions": 12}), tmp_path_factory)
+    db = tmp_path / "s.db"
+    first = AsyncServer(make_cfg("fedbuff"), LocalTransport(), store_at(db)).run()
+    assert first["versions"] == 8
+    cfg12 = make_cfg("fedbuff", server={"max_versions": 12})
+    summary = AsyncServer(cfg12, LocalTransport(), store_at(db), resume_run_id=first["run_id"]).run()
+    check_invariants(store_at(db), summary)
+    for k in ("versions", "model_sha256", "updates_received", "updates_accepted"):
+        assert summary[k] == ref12[k], k
+
+
+def test_wall_clock_resume_redispatches_lost_tasks_first(tmp_path):
+    cfg = make_cfg("fedbuff", server={"max_versions": 6})
+    db = tmp_path / "s.db"
+    store = store_at(db)
+    crash_at(store, "record_reply", 7, False)
+    server = AsyncServer(cfg, LocalTransport(), store, clock="wall", mode="deployment")
+    with pytest.raises(Crash):
+        server.run()
+    store = store_at(db)
+    in_flight = [d for d in store.dispatches(server.run_id) if d.status == "in_flight"]
+    next_task = store.get_run(server.run_id).next_task_id
+    assert in_flight
+    with pytest.raises(RuntimeError, match="deployment run"):
+        AsyncServer(cfg, LocalTransport(), store, resume_run_id=server.run_id)  # not as a simulation
+    summary = AsyncServer(cfg, LocalTransport(), store, clock="wall", mode="deployment",
+                          resume_run_id=server.run_id).run()
+    check_invariants(store, summary)
+    ds = store.dispatches(server.run_id)
+    assert {d.task_id for d in ds if d.status == "lost"} == {d.task_id for d in in_flight}
+    first_new = [d for d in ds if d.task_id >= next_task][:len(in_flight)]
+    assert {d.client_id for d in first_new} == {d.client_id for d in in_flight}
+    assert summary["versions"] == 6
+
+
+def test_resume_refuses_a_different_experiment():
+    stored = make_cfg("fedbuff").to_yaml()
+    raw = yaml.safe_load(stored)
+    assert check_resume_config(stored, make_cfg("fedbuff", server={"max_versions": 50, "eval_every": 2})) is None
+    other = config_from_dict({**raw, "server": {**raw["server"], "server_lr": 0.5}})
+    assert check_resume_config(stored, other) == "server.server_lr is 0.5, the run was made with 1.0"
+    assert check_resume_config(stored, config_from_dict({**raw, "seed": 6})).startswith("seed is 6")
+    assert check_resume_config(stored, config_from_dict({**raw, "data": {**raw["data"], "alpha": 0.1}})) \
+        .startswith("data.alpha")
+
+
+def test_resume_without_stored_parameters_fails_clearly(tmp_path):
+    cfg = make_cfg("fedasync", store={"save_parameters": False}, server={"max_versions": 2})
+    store = store_at(tmp_path / "s.db")
+    first = AsyncServer(cfg, LocalTransport(), store).run()
+    with pytest.raises(RuntimeError, match="save_parameters"):
+        AsyncServer(cfg, LocalTransport(), store, resume_run_id=first["run_id"])
+
+
+# -- real processes: kill -9 and SIGINT of `fedasync simulate` ----------------------------
+
+
+def _slow_cfg_file(tmp_path: Path) -> Path:
+    # emulate: each task really sleeps (about 60 ms), so that the process can be hit mid-run
+    cfg = make_cfg("fedbuff", server={"max_versions": 12}, clock={"emulate": True, "time_scale": 0.2})
+    path = tmp_path / "slow.yaml"
+    path.write_text(cfg.to_yaml())
+    return path
+
+
+def _start_simulate(args: list[str], log: Path) -> subprocess.Popen:
+    f = open(log, "wb")
+    p = subprocess.Popen([FEDASYNC, "simulate", "--backend", "local", *args], stdout=f, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+    f.close()
+    return p
+
+
+def _wait_for_version(db: Path, version: int, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    t0 = time.monotonic()
+    store = None
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise AssertionError(f"simulate exited early ({proc.returncode}):\n{log.read_text()[-2000:]}")
+        if store is None and db.exists():
+            try:
+                store = Store(f"sqlite:///{db}", create=False)
+            except Exception:
+                store = None
+        if store is not None:
+            try:
+                if store.get_run(1).current_version >= version:
+                    return
+            except Exception:
+                pass
+        time.sleep(0.05)
+    raise AssertionError(f"version {version} not reached:\n{log.read_text()[-2000:]}")
+
+
+@pytest.fixture(scope="module")
+def slow_reference(tmp_path_factory):
+    d = tmp_path_factory.mktemp("slowref")
+    cfg = config_from_dict(yaml.safe_load(_slow_cfg_file(d).read_text()))
+    cfg = cfg.model_copy(update={"clock": cfg.clock.model_copy(update={"emulate": False})})
+    return AsyncServer(cfg, LocalTransport(), store_at(d / "ref.db")).run()
+
+
+def _stop(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        p.kill()
+        p.wait(timeout=10)
+
+
+def test_sigkill_mid_run_then_resume(tmp_path, slow_reference):
+    cfg_file, out = _slow_cfg_file(tmp_path), tmp_path / "run"
+    db = out / "fedasync.db"
+    p = _start_simulate([str(cfg_file), "--out", str(out)], tmp_path / "first.log")
+    try:
+        _wait_for_version(db, 4, p, tmp_path / "first.log")
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        _stop(p)
+    store = Store(f"sqlite:///{db}", create=False)
+    run = store.get_run(1)
+    assert run.status == "running" and 4 <= run.current_version < 12
+    assert not (out / "summary.json").exists()
+    r = subprocess.run([FEDASYNC, "simulate", "--backend", "local", "--resume", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    check_invariants(Store(f"sqlite:///{db}", create=False), summary)
+    assert_same_run(summary, slow_reference)
+
+
+def test_sigint_stops_gracefully_then_resume(tmp_path, slow_reference):
+    cfg_file, out = _slow_cfg_file(tmp_path), tmp_path / "run"
+    db = out / "fedasync.db"
+    p = _start_simulate([str(cfg_file), "--out", str(out)], tmp_path / "first.log")
+    try:
+        _wait_for_version(db, 3, p, tmp_path / "first.log")
+        os.kill(p.pid, signal.SIGINT)
+        rc = p.wait(timeout=120)
+    finally:
+        _stop(p)
+    assert rc == 0, (tmp_path / "first.log").read_text()[-2000:]
+    assert "continue with --resume 1" in (tmp_path / "first.log").read_text()
+    store = Store(f"sqlite:///{db}", create=False)
+    run = store.get_run(1)
+    assert (run.status, run.stop_reason) == ("stopped", "interrupted")
+    stopped = json.loads((out / "summary.json").read_text())
+    assert stopped["stop_reason"] == "interrupted" and stopped["versions"] < 12
+    check_invariants(store, stopped)  # a graceful stop leaves the summary equal to the store
+    assert store.dispatch_status_counts(1).get("cancelled", 0) > 0
+    r = subprocess.run([FEDASYNC, "simulate", "--backend", "local", "--resume", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    check_invariants(Store(f"sqlite:///{db}", create=False), summary)
+    for k in ("versions", "model_sha256", "updates_received", "updates_accepted", "rejections"):
+        assert summary[k] == slow_reference[k], k
+
+
+def test_simulate_resume_checks_its_inputs(tmp_path):
+    from typer.testing import CliRunner
+
+    from fedasync.cli import app
+
+    runner = CliRunner()
+    r = runner.invoke(app, ["simulate", "--backend", "local", "--resume", "1"])
+    assert r.exit_code == 2 and "--resume: give --out" in r.output
+    r = runner.invoke(app, ["simulate", "--backend", "local", "--resume", "1", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "no store at" in r.output
+    Store(f"sqlite:///{tmp_path / 'fedasync.db'}")
+    r = runner.invoke(app, ["simulate", "--backend", "local", "--resume", "3", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "no run 3" in r.output
+
+
+def test_deployment_stop_request_through_the_store(tmp_path):
+    """`fedasync server`'s Ctrl-C sets the run's status to `stopping`; the ServerApp (another
+    process) stops after the reply being handled and marks the run stopped."""
+    from fedasync.clients.runner import handle_train
+
+    cfg = make_cfg("fedasync", server={"max_versions": 1000, "poll_interval": 0.01})
+    store = store_at(tmp_path / "s.db")
+    calls = []
+
+    def handler(params, config):
+        calls.append(config["task_id"])
+        if len(calls) == 5:
+            store_at(tmp_path / "s.db").set_run_status(config["run_id"], "stopping")
+        return handle_train(params, config)
+
+    summary = AsyncServer(cfg, LocalTransport(handler), store, clock="wall", mode="deployment").run()
+    assert summary["stop_reason"] == "interrupted" and summary["versions"] < 1000
+    run = store.get_run(summary["run_id"])
+    assert (run.status, run.stop_reason) == ("stopped", "interrupted")
+    check_invariants(store, summary)

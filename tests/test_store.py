@@ -1,0 +1,249 @@
+"""The store on SQLite and on PostgreSQL: Alembic migrations, the Store API, atomicity.
+
+The PostgreSQL cases need a server: ``FEDASYNC_TEST_POSTGRES_URL`` (``.ci/postgres.sh`` starts
+one and exports it; CI always does). Without it they are skipped. Each PostgreSQL test runs in
+its own schema (``search_path``), dropped afterwards.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import uuid
+
+import numpy as np
+import pytest
+from sqlalchemy import create_engine, inspect, text
+from sqlalchemy.exc import IntegrityError
+
+from fedasync.store import Store, decode_params, encode_params
+from fedasync.store import migrate
+
+PG = os.environ.get("FEDASYNC_TEST_POSTGRES_URL")
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def url(request, tmp_path):
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'store.db'}"
+        return
+    if not PG:
+        pytest.skip("FEDASYNC_TEST_POSTGRES_URL is not set (source .ci/postgres.sh)")
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG)
+    with admin.begin() as c:
+        c.execute(text(f"CREATE SCHEMA {schema}"))
+    sep = "&" if "?" in PG else "?"
+    try:
+        yield f"{PG}{sep}options=-csearch_path%3D{schema}"
+    finally:
+        with admin.begin() as c:
+            c.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+        admin.dispose()
+
+
+def _tables(engine) -> set[str]:
+    return set(inspect(engine).get_table_names())
+
+
+# -- migrations -------------------------------------------------------------------------
+
+
+def _table_of(diff) -> str | None:
+    d = diff[0] if isinstance(diff, list) else diff
+    op = d[0]
+    if op in ("add_table", "remove_table"):
+        return d[1].name
+    if op in ("add_column", "remove_column") or op.startswith("modify_"):
+        return d[2]
+    table = getattr(d[1], "table", None)
+    return None if table is None else table.name
+
+
+def _diffs(url: str, module: str) -> list:
+    """What differs between the migrated database and the ORM tables defined in ``module``."""
+    import importlib
+
+    from alembic.autogenerate import compare_metadata
+    from alembic.runtime.migration import MigrationContext
+
+    metadata = migrate.target_metadata()
+    tables = {t.__table__.name for t in vars(importlib.import_module(module)).values()
+              if isinstance(t, type) and hasattr(t, "__table__")}
+    assert tables
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        diffs = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), metadata)
+    engine.dispose()
+    return [d for d in diffs if _table_of(d) in tables]
+
+
+def _migrated(url: str) -> None:
+    """Run the migrations only (no fallback create_all), as a fresh deployment would."""
+    from alembic import command
+
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        cfg = migrate.alembic_config()
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "head")
+    engine.dispose()
+
+
+def test_migrations_create_the_core_schema_exactly(url):
+    _migrated(url)
+    assert _diffs(url, "fedasync.store.schema") == []
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        assert migrate.current(conn) == migrate.head()
+    assert {"runs", "clients", "dispatches", "updates", "model_versions", "privacy_spend", "replays"} <= _tables(engine)
+    engine.dispose()
+
+
+def test_migrations_cover_every_other_schema_module(url):
+    """Tables defined on the store's Base in other modules (server-less variants) need a revision."""
+    import importlib
+
+    _migrated(url)
+    for name in migrate.SCHEMA_MODULES[1:]:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+        assert _diffs(url, name) == [], f"{name}: the ORM and the migrations differ; add a revision"
+
+
+def test_upgrade_is_idempotent_and_downgrade_reverses(url):
+    engine = create_engine(url)
+    migrate.upgrade(engine)
+    migrate.upgrade(engine)
+    before = _tables(engine)
+    migrate.downgrade(engine, "base")
+    assert _tables(engine) <= {"alembic_version"}
+    migrate.upgrade(engine)
+    assert _tables(engine) == before
+    engine.dispose()
+
+
+def test_a_store_made_before_migrations_is_stamped_and_upgraded(url):
+    """fedasync 0.1.0 made its tables with create_all (the baseline) and had no alembic_version."""
+    from alembic import command
+
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        cfg = migrate.alembic_config()
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, migrate.BASELINE)
+        conn.execute(text("DROP TABLE alembic_version"))
+    assert "replays" not in _tables(engine)
+    store = Store(url)
+    store.create_run("old", "fedbuff", 0, "x: 1\n", "simulation")
+    with engine.connect() as conn:
+        assert migrate.current(conn) == migrate.head()
+    assert "replays" in _tables(engine)
+    engine.dispose()
+
+
+def _open(url: str) -> int:
+    Store(url).close()
+    return 0
+
+
+def test_concurrent_first_opens_migrate_once(url):
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(4) as pool:
+        assert pool.map(_open, [url] * 4) == [0] * 4
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        assert migrate.current(conn) == migrate.head()
+        assert conn.execute(text("SELECT count(*) FROM alembic_version")).scalar() == 1
+    engine.dispose()
+
+
+# -- the Store API ------------------------------------------------------------------------
+
+
+PARAMS = {"a.weight": np.arange(6, dtype=np.float32).reshape(2, 3), "a.bias": np.array([1.5, -2.0], np.float32),
+          "steps": np.array([7], np.int64)}
+
+
+def _run(store: Store) -> int:
+    run = store.create_run("t", "fedbuff", 3, "name: t\n", "simulation")
+    store.register_clients(run, [{"client_id": c, "profile": {"speed": 1.0 + c}} for c in range(3)])
+    store.add_initial_version(run, PARAMS, "0" * 64)
+    return run
+
+
+def test_params_round_trip_exactly(url):
+    store = Store(url)
+    run = _run(store)
+    v, p = store.load_version(run, 0)
+    assert v == 0 and list(p) == list(PARAMS)
+    for k in PARAMS:
+        assert p[k].dtype == PARAMS[k].dtype and np.array_equal(p[k], PARAMS[k])
+    assert encode_params(decode_params(encode_params(PARAMS))) == encode_params(PARAMS)
+
+
+def test_dispatch_reply_and_version_in_one_transaction(url):
+    store = Store(url)
+    run = _run(store)
+    big_node = 2 ** 64 - 5  # Flower node ids are uint64
+    store.record_dispatches(run, [
+        {"task_id": 0, "client_id": 1, "base_version": 0, "sent_virtual": 0.0, "finish_virtual": 1.0,
+         "node_id": big_node, "message_id": "m0"},
+        {"task_id": 1, "client_id": 2, "base_version": 0, "sent_virtual": 0.0, "finish_virtual": 2.0,
+         "node_id": None, "message_id": None, "status": "failed", "error": "push failed"},
+    ], next_task_id=2, loop_state='{"s": 1}', virtual_time=0.0)
+    r = store.get_run(run)
+    assert (r.next_task_id, r.loop_state) == (2, '{"s": 1}')
+    ds = store.dispatches(run)
+    assert [(d.task_id, d.status, d.node_id) for d in ds] == [(0, "in_flight", str(big_node)), (1, "failed", None)]
+    # re-sending a task (resume) updates its row, keeps one row per task
+    store.record_dispatches(run, [{"task_id": 0, "client_id": 1, "base_version": 0, "sent_virtual": 0.0,
+                                   "finish_virtual": 1.0, "node_id": 9, "message_id": "m0b"}], next_task_id=2)
+    assert [(d.task_id, d.message_id) for d in store.dispatches(run)] == [(0, "m0b"), (1, None)]
+    row = {"client_id": 1, "base_version": 0, "version_at_arrival": 0, "staleness": 0, "weight": 1.0,
+           "num_examples": 10, "loss": 0.5, "epsilon": None, "params_sha256": "1" * 64, "accepted": True,
+           "reason": None, "received_virtual": 1.0, "pending_params": PARAMS}
+    store.record_reply(run, 0, row, "replied", None, '{"s": 2}', 1.0)
+    pend = store.pending_updates(run)
+    assert [u.task_id for u, _ in pend] == [0] and np.array_equal(pend[0][1]["a.weight"], PARAMS["a.weight"])
+    new_version = {"version": 1, "parent": 0, "sha256": "2" * 64, "params": PARAMS, "task_ids": [0]}
+    row2 = dict(row, pending_params=None, client_id=2)
+    store.record_dispatches(run, [{"task_id": 2, "client_id": 2, "base_version": 0, "sent_virtual": 1.0,
+                                   "finish_virtual": 3.0, "node_id": None, "message_id": "m2"}], next_task_id=3)
+    store.record_reply(run, 2, row2, "late", new_version, '{"s": 3}', 3.0)
+    r = store.get_run(run)
+    assert (r.current_version, r.loop_state, r.virtual_time) == (1, '{"s": 3}', 3.0)
+    ups = {u.task_id: u for u in store.updates(run)}
+    assert ups[0].applied_in_version == 1 and ups[0].pending_params is None
+    assert store.pending_updates(run) == []
+    assert store.dispatch_status_counts(run) == {"replied": 1, "failed": 1, "late": 1}
+    assert store.counts(run) == {"dispatches": 3, "updates": 2, "accepted": 2, "rejected": 0, "versions": 2}
+    # a second reply for a closed task cannot enter `updates`: the whole transaction rolls back
+    with pytest.raises(IntegrityError):
+        store.record_reply(run, 2, row2, "replied", {"version": 2, "parent": 1, "sha256": "3" * 64,
+                                                     "params": PARAMS, "task_ids": [2]}, '{"s": 4}', 4.0)
+    r = store.get_run(run)
+    assert (r.current_version, r.loop_state) == (1, '{"s": 3}')
+    assert [v.version for v in store.versions(run)] == [0, 1]
+    # ... it is recorded as a replay instead
+    store.record_replay(run, {"task_id": 2, "client_id": 2, "message_id": "m2", "reason": "replay",
+                              "params_sha256": "1" * 64, "received_virtual": 4.0})
+    assert [(x.task_id, x.reason) for x in store.replays(run)] == [(2, "replay")]
+    assert store.mark_in_flight(run, "cancelled") == 0
+
+
+def test_a_short_run_on_the_store(url, tmp_path):
+    from fedasync.config import config_from_dict
+    from fedasync.server.loop import AsyncServer, LocalTransport
+
+    cfg = config_from_dict({"seed": 2, "data": {"num_clients": 6, "partitioner": "iid"},
+                            "model": {"hidden": 8}, "train": {"local_steps": 2, "batch_size": 8},
+                            "server": {"strategy": "fedbuff", "concurrency": 3, "buffer_size": 2, "max_versions": 3}})
+    ref = AsyncServer(cfg, LocalTransport(), Store(f"sqlite:///{tmp_path / 'ref.db'}")).run()
+    store = Store(url)
+    summary = AsyncServer(cfg, LocalTransport(), store).run()
+    assert summary["model_sha256"] == ref["model_sha256"]  # the database does not change the run
+    assert store.get_run(summary["run_id"]).status == "finished"
+    assert store.counts(summary["run_id"])["versions"] == 4

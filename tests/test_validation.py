@@ -1,0 +1,340 @@
+"""Validation of every update: the validator's reasons one by one, Ed25519 signing, and a battery
+of bad replies driven through the real server loop by a crafted Transport (each rejected with
+its own reason, the model untouched), plus timeouts, late replies and failing clients."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from fedasync.config import ServerConfig, config_from_dict
+from fedasync.server.loop import AsyncServer, LocalTransport, Reply, TaskMsg
+from fedasync.server.strategies import params_sha256
+from fedasync.server.validation import REASONS, UpdateValidator
+from fedasync.signing import (
+    SigningKeyError,
+    generate_key,
+    load_private_key,
+    load_public_key,
+    load_public_keys,
+    public_pem,
+    public_raw,
+    save_keypair,
+    sign_update,
+    update_message,
+    verify_update,
+)
+from fedasync.store import Store
+
+# -- signing -----------------------------------------------------------------------------
+
+
+def test_sign_verify_round_trip_and_binding():
+    key = generate_key()
+    pub = key.public_key()
+    sha = "ab" * 32
+    sig = sign_update(key, 3, 17, 5, sha)
+    assert verify_update(pub, sig, 3, 17, 5, sha)
+    # every signed field is bound: another run, task, base version or parameters fails
+    for args in [(4, 17, 5, sha), (3, 18, 5, sha), (3, 17, 6, sha), (3, 17, 5, "cd" * 32)]:
+        assert not verify_update(pub, sig, *args)
+    assert not verify_update(generate_key().public_key(), sig, 3, 17, 5, sha)  # another key
+    assert not verify_update(pub, None, 3, 17, 5, sha)
+    assert not verify_update(pub, sig[:-1] + bytes([sig[-1] ^ 1]), 3, 17, 5, sha)
+    assert not verify_update(pub, b"short", 3, 17, 5, sha)
+    with pytest.raises(ValueError):
+        update_message(1, 2, 3, "not-a-sha")
+
+
+def test_key_files(tmp_path):
+    key = generate_key()
+    priv, pub = save_keypair(key, tmp_path, "client-2")
+    assert priv.stat().st_mode & 0o777 == 0o600
+    assert public_raw(load_private_key(priv)) == public_raw(key)
+    assert public_raw(load_public_key(pub)) == public_raw(key)
+    assert public_raw(load_public_key(public_raw(key))) == public_raw(key)  # raw 32 bytes
+    assert public_raw(load_public_key(public_pem(key))) == public_raw(key)
+    assert set(load_public_keys(tmp_path)) == {2}
+    with pytest.raises(FileExistsError):
+        save_keypair(generate_key(), tmp_path, "client-2")
+    (tmp_path / "junk.key").write_text("not a key")
+    with pytest.raises(SigningKeyError, match="not an unencrypted PEM private key"):
+        load_private_key(tmp_path / "junk.key")
+    with pytest.raises(SigningKeyError, match="cannot read"):
+        load_private_key(tmp_path / "missing.key")
+    with pytest.raises(SigningKeyError, match="no such directory"):
+        load_public_keys(tmp_path / "nope")
+
+
+# -- the validator, one reason at a time -------------------------------------------------
+
+
+@dataclass
+class _Live:
+    task_id: int
+    client_id: int
+    base_version: int
+
+
+REF = {"w": np.zeros((3, 2), np.float32), "b": np.zeros(2, np.float32)}
+
+
+def _reply(params, key=None, task=7, base=2, run=1, metrics=None):
+    sig = sign_update(key, run, task, base, params_sha256(params)) if key is not None and params is not None else None
+    return Reply(task_id=task, params=params, metrics=metrics or {}, signature=sig)
+
+
+def test_validator_reasons():
+    k0 = generate_key()
+    cfg = ServerConfig(max_update_norm=1.0, max_staleness=2)
+    v = UpdateValidator(REF, cfg, public_keys={0: public_raw(k0)})
+    live = _Live(7, 0, 2)
+    good = {"w": np.full((3, 2), 0.1, np.float32), "b": np.zeros(2, np.float32)}
+    assert v.check(_reply(good, k0), live, 0, run_id=1, base=REF) is None
+
+    def with_(**kv):
+        d = {k: a.copy() for k, a in good.items()}
+        d.update(kv)
+        return d
+
+    cases = {
+        "missing_params": (_reply(None), live, 0),
+        "missing_key": (_reply({"w": good["w"]}, k0), live, 0),
+        "extra_key": (_reply(with_(z=np.zeros(1, np.float32)), k0), live, 0),
+        "bad_shape": (_reply(with_(b=np.zeros(3, np.float32)), k0), live, 0),
+        "bad_dtype": (_reply(with_(b=np.zeros(2, np.float64)), k0), live, 0),
+        "non_finite": (_reply(with_(b=np.array([0, np.nan], np.float32)), k0), live, 0),
+        "norm_exceeded": (_reply(with_(b=np.array([0, 2.0], np.float32)), k0), live, 0),
+        "stale": (_reply(good, k0), live, 3),
+        "bad_signature": (_reply(good, generate_key()), live, 0),
+        "unknown_client": (_reply(good, k0, metrics={"client_id": 5}), live, 0),
+    }
+    for reason, (reply, lv, s) in cases.items():
+        assert v.check(reply, lv, s, run_id=1, base=REF) == reason, reason
+    # a signature for another task, run or base version is a bad signature
+    assert v.check(_reply(good, k0, task=8), live, 0, run_id=1, base=REF) == "bad_signature"
+    assert v.check(_reply(good, k0, run=2), live, 0, run_id=1, base=REF) == "bad_signature"
+    assert v.check(_reply(good, k0, base=1), live, 0, run_id=1, base=REF) == "bad_signature"
+    # unsigned, and a client with no registered key
+    assert v.check(_reply(good), live, 0, run_id=1, base=REF) == "bad_signature"
+    assert v.check(_reply(good, k0), _Live(7, 1, 2), 0, run_id=1, base=REF) == "unknown_client"
+    # every reason the validator can give is in the documented list
+    assert set(cases) <= set(REASONS)
+
+
+def test_validator_without_signing_ignores_signatures():
+    v = UpdateValidator(REF, ServerConfig())
+    assert not v.signing
+    assert v.check(Reply(task_id=1, params={k: a.copy() for k, a in REF.items()}), _Live(1, 0, 0), 0) is None
+
+
+# -- the battery, through the server loop ------------------------------------------------
+
+
+def _cfg(**server):
+    return config_from_dict({
+        "name": "battery", "seed": 3,
+        "data": {"dataset": "digits", "num_clients": 4, "partitioner": "iid"},
+        "model": {"name": "mlp", "hidden": 8},
+        "train": {"local_steps": 1, "batch_size": 8},
+        "server": {"strategy": "fedasync", "concurrency": 1, "eval_every": 100, **server},
+        "clock": {"sigma": 0.0, "jitter": 0.0, "bandwidth_sigma": 0.0},
+    })
+
+
+class CraftedTransport:
+    """Replies built by ``make(task, n)`` for the n-th task; extra (stray) replies can be queued.
+    After the plan, pushes fail, so the run ends (``no_client_can_train``)."""
+
+    def __init__(self, make, n_tasks: int):
+        self.make, self.n_tasks = make, n_tasks
+        self.ready: dict[str, Reply] = {}
+        self.delivered: dict[str, Reply] = {}
+        self.extra: list[tuple[str, Reply]] = []
+        self.sent: list[TaskMsg] = []
+
+    def node_ids(self):
+        return [0]
+
+    def send(self, tasks):
+        ids = []
+        for t in tasks:
+            if len(self.sent) >= self.n_tasks:
+                ids.append(None)
+                continue
+            self.sent.append(t)
+            mid = f"m{t.task_id}"
+            self.ready[mid] = self.make(t, len(self.sent) - 1, self)
+            ids.append(mid)
+        return ids
+
+    def poll(self, ids):
+        out = [(m, self.ready.pop(m)) for m in ids if m in self.ready]
+        self.delivered.update(out)
+        out += self.extra
+        self.extra = []
+        return out
+
+
+def test_bad_update_battery(tmp_path):
+    keys = {c: generate_key() for c in range(4)}
+    intruder = generate_key()
+    plan = ["good", "nan", "inf", "shape", "dtype", "missing_key", "extra_key", "norm", "forged",
+            "unknown_client", "replay", "never_dispatched"]
+    expected = {"nan": "non_finite", "inf": "non_finite", "shape": "bad_shape", "dtype": "bad_dtype",
+                "missing_key": "missing_key", "extra_key": "extra_key", "norm": "norm_exceeded",
+                "forged": "bad_signature", "unknown_client": "unknown_client"}
+    shas = []
+
+    def make(t: TaskMsg, i: int, tr: CraftedTransport) -> Reply:
+        c = t.config
+        kind = plan[i]
+        p = {k: (v + np.float32(0.01)).astype(v.dtype) for k, v in t.params.items()}
+        first = next(iter(p))
+        metrics = {"num_examples": 10, "task_id": t.task_id, "client_id": t.client_id}
+        shas.append(server.summary()["model_sha256"])  # the model as this task's reply is built
+        if kind == "nan":
+            p[first] = p[first].copy()
+            p[first].flat[0] = np.nan
+        elif kind == "inf":
+            p[first] = p[first].copy()
+            p[first].flat[-1] = np.inf
+        elif kind == "shape":
+            p[first] = p[first][:-1]
+        elif kind == "dtype":
+            p[first] = p[first].astype(np.float64)
+        elif kind == "missing_key":
+            del p[first]
+        elif kind == "extra_key":
+            p["intruder.weight"] = np.zeros(3, np.float32)
+        elif kind == "norm":
+            p[first] = (p[first] + np.float32(100.0)).astype(p[first].dtype)
+        elif kind == "unknown_client":
+            metrics["client_id"] = 77  # a reply from someone the task was not sent to
+        elif kind == "replay":  # the accepted reply of task 0 delivered again (its message id)
+            tr.extra.append(("m0", tr.delivered["m0"]))
+        elif kind == "never_dispatched":
+            tr.extra.append(("forged-mid", Reply(task_id=-1, params=p, metrics={"task_id": 999})))
+        signer = intruder if kind == "forged" else keys[t.client_id]
+        sig = sign_update(signer, c["run_id"], c["task_id"], c["base_version"], params_sha256(p))
+        return Reply(task_id=t.task_id, params=p, metrics=metrics, signature=sig)
+
+    cfg = _cfg(max_update_norm=5.0)
+    store = Store(f"sqlite:///{tmp_path / 's.db'}")
+    tr = CraftedTransport(make, len(plan))
+    server = AsyncServer(cfg, tr, store, public_keys={c: public_raw(k) for c, k in keys.items()})
+    summary = server.run()
+
+    run_id = summary["run_id"]
+    ups = store.updates(run_id)
+    assert [u.task_id for u in ups] == list(range(len(plan)))
+    assert ups[0].accepted and ups[0].applied_in_version == 1
+    for u, kind in zip(ups[1:], plan[1:]):
+        if kind in expected:
+            assert (u.accepted, u.reason) == (False, expected[kind]), kind
+        else:  # the tasks that carried the replays were themselves fine
+            assert u.accepted, kind
+    # model untouched by every rejected reply: the version after each rejected one is unchanged
+    versions = store.versions(run_id)
+    v_by_task = {tid: v.version for v in versions for tid in
+                 [u.task_id for u in ups if u.applied_in_version == v.version]}
+    rejected_tasks = [u.task_id for u in ups if not u.accepted]
+    assert len(rejected_tasks) == len(expected)
+    assert not any(t in v_by_task for t in rejected_tasks)
+    # the model as tasks 1..10 were built (each after the previous reply was handled): one model
+    assert len(set(shas[1:11])) == 1 and shas[1] == versions[1].sha256
+    # the strongest form: replaying the accepted updates alone gives the same final model
+    accepted = [u.task_id for u in ups if u.accepted]
+    assert summary["versions"] == len(accepted) == len(versions) - 1
+    assert summary["model_sha256"] == versions[-1].sha256
+    # replays recorded apart, with their reason, and counted
+    replays = store.replays(run_id)
+    assert [(r.task_id, r.reason, r.message_id) for r in replays] == [(0, "replay", "m0"), (999, "replay", "forged-mid")]
+    assert replays[0].params_sha256 == ups[0].params_sha256
+    want = {r: 1 for r in expected.values()}
+    want["non_finite"] = 2
+    want["replay"] = 2
+    assert summary["rejections"] == dict(sorted(want.items()))
+    assert summary["updates_rejected"] == len(expected) and summary["replays_rejected"] == 2
+
+
+def test_rejected_updates_leave_model_and_version_unchanged(tmp_path):
+    """Only bad replies after the first: the model's sha256 and version never move again."""
+    keys = {c: generate_key() for c in range(4)}
+    seen = []
+
+    def make(t, i, tr):
+        seen.append((server.version, server.summary()["model_sha256"]))
+        p = {k: (v + np.float32(0.01)).astype(v.dtype) for k, v in t.params.items()}
+        if i > 0:
+            k = next(iter(p))
+            p[k] = np.full_like(p[k], np.nan) if i % 2 else p[k][:1]
+        sig = sign_update(keys[t.client_id], t.config["run_id"], t.task_id, t.config["base_version"],
+                          params_sha256(p))
+        return Reply(task_id=t.task_id, params=p, metrics={"num_examples": 5}, signature=sig)
+
+    store = Store(f"sqlite:///{tmp_path / 's.db'}")
+    server = AsyncServer(_cfg(), CraftedTransport(make, 7), store,
+                         public_keys={c: public_raw(k) for c, k in keys.items()})
+    summary = server.run()
+    after_first = seen[1]
+    assert after_first[0] == 1
+    assert all(s == after_first for s in seen[1:])
+    assert summary["versions"] == 1 and summary["model_sha256"] == after_first[1]
+    assert summary["rejections"] == {"bad_shape": 3, "non_finite": 3}
+
+
+# -- failures, timeouts and late replies -------------------------------------------------
+
+
+def _local_cfg(**server):
+    return config_from_dict({
+        "name": "fail", "seed": 1,
+        "data": {"dataset": "digits", "num_clients": 6, "partitioner": "iid"},
+        "model": {"name": "mlp", "hidden": 8},
+        "train": {"local_steps": 2, "batch_size": 8},
+        "server": {"strategy": "fedasync", "concurrency": 3, "eval_every": 100, "max_versions": 8, **server},
+        "clock": {"sigma": 0.0, "jitter": 0.0, "bandwidth_sigma": 0.0},
+    })
+
+
+def test_failing_clients_never_stop_the_run(tmp_path):
+    from fedasync.clients.runner import handle_train
+
+    def handler(params, config):
+        if config["client_id"] in (1, 4):
+            raise RuntimeError("device fell over")
+        return handle_train(params, config)
+
+    store = Store(f"sqlite:///{tmp_path / 's.db'}")
+    summary = AsyncServer(_local_cfg(), LocalTransport(handler), store).run()
+    assert summary["versions"] >= 8 and summary["stop_reason"] == "max_versions"  # a batch due at one instant is taken whole
+    ds = store.dispatches(summary["run_id"])
+    failed = [d for d in ds if d.status == "failed"]
+    assert failed and {d.client_id for d in failed} <= {1, 4}
+    assert all("device fell over" in d.error for d in failed)
+    assert summary["tasks_failed"] == len(failed)
+    assert all(u.client_id not in (1, 4) for u in store.updates(summary["run_id"]))
+
+
+@pytest.mark.parametrize("policy", ["reject", "accept"])
+def test_timeout_and_late_policy(tmp_path, policy):
+    """Every task outlives server.task_timeout (virtual seconds): its slot is given away at the
+    deadline, and its reply, when it comes, follows late_policy."""
+    cfg = _local_cfg(task_timeout=0.05, late_policy=policy, max_versions=4, max_virtual_time=2.0)
+    store = Store(f"sqlite:///{tmp_path / 's.db'}")
+    summary = AsyncServer(cfg, LocalTransport(), store).run()
+    ups = store.updates(summary["run_id"])
+    ds = {d.task_id: d for d in store.dispatches(summary["run_id"])}
+    assert ups and all(ds[u.task_id].status == "late" for u in ups)
+    # slots were handed on: more tasks were dispatched than the concurrency
+    assert len(ds) > cfg.server.concurrency
+    if policy == "reject":
+        assert all(not u.accepted and u.reason == "late" for u in ups)
+        assert summary["versions"] == 0 and summary["rejections"] == {"late": len(ups)}
+    else:
+        assert all(u.accepted for u in ups) and summary["versions"] >= 4
+        assert max(u.staleness for u in ups) > 0
+    assert summary["tasks_failed"] == sum(d.status in ("timeout", "late") for d in ds.values())
