@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from fedasync.config import apply_overrides, config_from_dict, load_config
@@ -22,3 +24,9 @@ def small_config(*overrides: str):
 @pytest.fixture
 def small():
     return small_config
+
+
+def pytest_sessionstart(session):
+    # in CI the PostgreSQL cases must run, not skip
+    if os.environ.get("CI") and not os.environ.get("FEDASYNC_TEST_POSTGRES_URL"):
+        raise pytest.UsageError("CI: FEDASYNC_TEST_POSTGRES_URL is not set (.ci/postgres.sh failed?)")
