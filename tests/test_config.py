@@ -75,3 +75,9 @@ def test_cli_bad_config_exits_2_and_writes_nothing(tmp_path, monkeypatch, args, 
     lines = [ln for ln in result.output.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and key in lines[0], result.output
     assert os.listdir(tmp_path) == []  # no out dir, no runs/, no database
+
+
+@pytest.mark.parametrize("name", ["quickstart", "privacy", "edge", "postgres"])
+def test_every_packaged_example_is_valid(name):
+    assert packaged_example(name).is_file()
+    load_config(packaged_example(name))

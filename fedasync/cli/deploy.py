@@ -121,6 +121,16 @@ def make_supernode_auth_key(out: Path, name: str) -> tuple[Path, Path]:
 # -- small helpers ---------------------------------------------------------------------
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for Flower's processes: this interpreter's bin directory first on PATH,
+    since flower-supernode and flower-superlink start further Flower executables by name
+    (flower-superexec, flwr-clientapp, flwr-serverapp) even when the venv is not activated."""
+    env = dict(os.environ, **extra)
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    return env
+
+
 def _exe(name: str) -> str:
     """A console script of this environment (next to the interpreter), else on PATH."""
     p = Path(sys.executable).with_name(name)
@@ -442,7 +452,7 @@ def client(
                       f"(SuperLink {superlink})", highlight=False)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(cmd[0], cmd)
+    os.execve(cmd[0], cmd, child_env())
 
 
 # -- fedasync server ---------------------------------------------------------------------
@@ -511,7 +521,7 @@ class Federation:
                     "--ssl-keyfile", str(key.resolve())]
         if auth:
             cmd.append("--enable-supernode-auth")
-        env = dict(os.environ)
+        env = child_env()
         env.setdefault("FLWR_HOME", str((self.home / "superlink").resolve()))
         env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
         self.log_path = log_path
@@ -525,7 +535,7 @@ class Federation:
             stop_process(self.proc)
 
     def flwr(self, *args: str, timeout: float = 180.0) -> subprocess.CompletedProcess:
-        env = dict(os.environ, FLWR_HOME=str(self.cli_home.resolve()))
+        env = child_env(FLWR_HOME=str(self.cli_home.resolve()))
         try:
             return subprocess.run([_exe("flwr"), *args], capture_output=True, text=True, env=env, timeout=timeout)
         except subprocess.TimeoutExpired as e:
