@@ -74,6 +74,11 @@ def loads_state(text: str | None) -> Any:
     return None if text is None else _dec(json.loads(text))
 
 
+def _update(model):
+    """An UPDATE that does not look for the rows among the session's objects (none are loaded)."""
+    return update(model).execution_options(synchronize_session=False)
+
+
 def default_sqlite_url(run_dir: str | Path) -> str:
     return f"sqlite:///{Path(run_dir).resolve() / 'fedasync.db'}"
 
@@ -205,7 +210,7 @@ class Store:
 
     def record_eval(self, run_id: int, version: int, accuracy: float, loss: float) -> None:
         with self.session() as s:
-            s.execute(update(S.ModelVersion)
+            s.execute(_update(S.ModelVersion)
                       .where(S.ModelVersion.run_id == run_id, S.ModelVersion.version == version)
                       .values(accuracy=accuracy, loss=loss))
 
@@ -220,18 +225,18 @@ class Store:
                 base_version=base_version, sent_virtual=sent_virtual, finish_virtual=finish_virtual,
                 sent_wall=time.time(), status="in_flight",
             ))
-            s.execute(update(S.Run).where(S.Run.id == run_id).values(next_task_id=task_id + 1))
+            s.execute(_update(S.Run).where(S.Run.id == run_id).values(next_task_id=task_id + 1))
 
     def set_dispatch_status(self, run_id: int, task_id: int, status: str, error: str | None = None,
                             loop_state: str | None = None) -> None:
         with self.session() as s:
             self._set_dispatch(s, run_id, task_id, status, error)
             if loop_state is not None:
-                s.execute(update(S.Run).where(S.Run.id == run_id).values(loop_state=loop_state))
+                s.execute(_update(S.Run).where(S.Run.id == run_id).values(loop_state=loop_state))
 
     @staticmethod
     def _set_dispatch(s: Session, run_id: int, task_id: int, status: str, error: str | None) -> None:
-        s.execute(update(S.Dispatch).where(S.Dispatch.run_id == run_id, S.Dispatch.task_id == task_id)
+        s.execute(_update(S.Dispatch).where(S.Dispatch.run_id == run_id, S.Dispatch.task_id == task_id)
                   .values(status=status, error=error, done_wall=time.time()))
 
     def record_reply(self, run_id: int, task_id: int, update_row: dict, dispatch_status: str,
@@ -252,11 +257,11 @@ class Store:
                 s.add(self._version_row(run_id, v, new_version["parent"], new_version.get("params"),
                                         new_version["sha256"], len(new_version["task_ids"]), virtual_time))
                 s.flush()
-                s.execute(update(S.Update)
+                s.execute(_update(S.Update)
                           .where(S.Update.run_id == run_id, S.Update.task_id.in_(new_version["task_ids"]))
                           .values(applied_in_version=v, pending_params=None))
                 values["current_version"] = v
-            s.execute(update(S.Run).where(S.Run.id == run_id).values(**values))
+            s.execute(_update(S.Run).where(S.Run.id == run_id).values(**values))
             for row in ([privacy] if isinstance(privacy, dict) else privacy or []):  # one row or several
                 s.add(S.PrivacySpend(run_id=run_id, task_id=task_id, recorded_wall=time.time(), **row))
             if client_state is not None:
@@ -272,14 +277,16 @@ class Store:
         ``status``/``error``; a row whose task id exists already is updated: a task re-sent on
         resume), the run's next task id and the loop state after choosing them."""
         with self.session() as s:
+            ids = [r["task_id"] for r in rows]
+            existing = {d.task_id: d for d in s.scalars(select(S.Dispatch).where(
+                S.Dispatch.run_id == run_id, S.Dispatch.task_id.in_(ids)))} if ids else {}
             for r in rows:
                 r = dict(r)
                 node = r.pop("node_id", None)
                 r["node_id"] = None if node is None else str(node)
                 r.setdefault("status", "in_flight")
                 r.setdefault("error", None)
-                old = s.scalars(select(S.Dispatch).where(S.Dispatch.run_id == run_id,
-                                                         S.Dispatch.task_id == r["task_id"])).first()
+                old = existing.get(r["task_id"])
                 if old is None:
                     s.add(S.Dispatch(run_id=run_id, sent_wall=time.time(), **r))
                 else:
@@ -291,7 +298,7 @@ class Store:
                 values["loop_state"] = loop_state
             if virtual_time is not None:
                 values["virtual_time"] = virtual_time
-            s.execute(update(S.Run).where(S.Run.id == run_id).values(**values))
+            s.execute(_update(S.Run).where(S.Run.id == run_id).values(**values))
 
     def record_replay(self, run_id: int, row: dict) -> None:
         """A reply that matched no open task (see ``schema.Replay``)."""
@@ -331,7 +338,7 @@ class Store:
     def mark_in_flight(self, run_id: int, status: str) -> int:
         """Close every dispatch still in flight (at the end of a run, or on resume). Returns the count."""
         with self.session() as s:
-            res = s.execute(update(S.Dispatch)
+            res = s.execute(_update(S.Dispatch)
                             .where(S.Dispatch.run_id == run_id, S.Dispatch.status == "in_flight")
                             .values(status=status, done_wall=time.time()))
             return res.rowcount or 0
