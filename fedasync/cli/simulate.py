@@ -41,18 +41,30 @@ def parse_compare(spec: str, base: Config) -> list[tuple[str, Config]]:
 
 
 def _summary_table(rows: dict[str, dict], title: str) -> Table:
+    """One column per run, one row per figure: readable in 80 columns for a handful of runs."""
     t = Table(title=title)
-    cols = ["run", "versions", "updates", "rejected", "virtual s", "wall s", "final acc", "best acc",
-            "time to target s", "staleness mean/p95"]
-    for c in cols:
-        t.add_column(c, justify="right" if c != "run" else "left")
-    for label, s in rows.items():
-        st = s["staleness"]
-        stal = "-" if st["mean"] is None else f"{st['mean']:.2f}/{st['p95']:.0f}"
-        ttt = "-" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.1f}"
-        t.add_row(label, str(s["versions"]), str(s["updates_received"]), str(s["updates_rejected"]),
-                  f"{s['virtual_time_s']:.1f}", f"{s['wall_time_s']:.1f}", f"{s['final_accuracy']:.4f}",
-                  f"{s['best_accuracy']:.4f}", ttt, stal)
+    t.add_column("")
+    for label in rows:
+        t.add_column(label, justify="right")
+
+    def fmt(x, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
+    figures = [
+        ("versions", lambda s: str(s["versions"])),
+        ("updates received", lambda s: str(s["updates_received"])),
+        ("updates rejected", lambda s: str(s["updates_rejected"])),
+        ("virtual time (s)", lambda s: fmt(s["virtual_time_s"], ".1f")),
+        ("wall time (s)", lambda s: fmt(s["wall_time_s"], ".1f")),
+        ("final accuracy", lambda s: fmt(s["final_accuracy"], ".4f")),
+        ("best accuracy", lambda s: fmt(s["best_accuracy"], ".4f")),
+        ("time to target (virtual s)", lambda s: fmt(s["time_to_target_s"], ".1f")),
+        ("staleness mean / p95", lambda s: "-" if s["staleness"]["mean"] is None
+         else f"{s['staleness']['mean']:.2f} / {s['staleness']['p95']:.0f}"),
+        ("stopped by", lambda s: str(s.get("stop_reason") or "-")),
+    ]
+    for name, get in figures:
+        t.add_row(name, *[get(s) for s in rows.values()])
     return t
 
 
@@ -62,6 +74,7 @@ def run_configs(
     backend: str,
     show_progress: bool = True,
     resume: int | None = None,
+    verbose: bool = False,
 ) -> dict[str, dict]:
     """Run each config in turn (one engine start for all) and write its outputs."""
     from fedasync.outputs import write_run_outputs
@@ -102,7 +115,8 @@ def run_configs(
                 client_app=client_app,
                 num_supernodes=n_nodes,
                 backend_config={"client_resources": {"num_cpus": cpus / actors, "num_gpus": 0.0},
-                                "init_args": {"num_cpus": cpus, "include_dashboard": False}},
+                                "init_args": {"num_cpus": cpus, "include_dashboard": False,
+                                              "log_to_driver": verbose}},
             )
             if job.error is not None:
                 if isinstance(job.error, KeyboardInterrupt):
@@ -155,7 +169,7 @@ def simulate(
     out_dirs = {label: (out / label if compare else out) for label, _ in configs}
     quiet_flower(verbose)
     t0 = time.time()
-    summaries = run_configs(configs, out_dirs, backend, resume=resume)
+    summaries = run_configs(configs, out_dirs, backend, resume=resume, verbose=verbose)
     console.print(_summary_table(summaries, f"{cfg.name} ({backend}, seed {cfg.seed})"))
     for label, s in summaries.items():  # privacy spent (DP runs)
         p = s.get("privacy")
