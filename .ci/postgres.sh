@@ -15,6 +15,7 @@
 _fedasync_pg() {
   local port="${FEDASYNC_PG_PORT:-54329}" dir="${FEDASYNC_PG_DIR:-/tmp/fedasync-pg}" db="${FEDASYNC_PG_DB:-fedasync_test}"
   local bin as=()
+  case ":$PATH:" in *:/usr/sbin:*) ;; *) PATH="$PATH:/usr/sbin:/sbin" ;; esac  # runuser lives there
   if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
     echo "postgres.sh: installing postgresql (apt-get)" >&2
     if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; } >&2; then

@@ -156,3 +156,22 @@ def verify_update(key: Ed25519PublicKey, signature: bytes | None, run_id: int, t
     except (InvalidSignature, ValueError, TypeError):
         return False
     return True
+
+
+# -- ledger blocks (FLchain) -------------------------------------------------------------
+
+BLOCK_PREFIX = b"fedasync-block-v1\n"
+
+
+def sign_block(key: Ed25519PrivateKey, hash_hex: str) -> str:
+    return key.sign(BLOCK_PREFIX + bytes.fromhex(hash_hex)).hex()
+
+
+def verify_block_signature(public_key_hex: str, hash_hex: str, signature_hex: str) -> bool:
+    """True iff ``signature_hex`` is a valid Ed25519 signature of the block hash. Never raises."""
+    try:
+        key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_key_hex))
+        key.verify(bytes.fromhex(signature_hex), BLOCK_PREFIX + bytes.fromhex(hash_hex))
+    except (InvalidSignature, ValueError, TypeError):
+        return False
+    return True

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from fedasync.config import apply_overrides, config_from_dict, load_config
+from fedasync.config import load_config
 
 SMALL = [
     "name=small",

@@ -1,7 +1,6 @@
 """The asynchronous loop, in-process (LocalTransport): determinism, the store, equivalences."""
 
 import numpy as np
-import pytest
 
 from conftest import small_config
 from fedasync.server.loop import AsyncServer, LocalTransport

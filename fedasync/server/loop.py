@@ -188,9 +188,8 @@ class AsyncServer:
     ):
         """``public_keys`` (client id -> Ed25519 public key) turns signature checks on;
         ``available_clients`` (deployment) names the clients that have a node now."""
-        from fedasync.task.data import load_test
+        from fedasync.task.data import load_federated, load_test
         from fedasync.task.models import build_model, init_params
-        from fedasync.task.data import load_federated
 
         self.cfg = cfg
         self.transport = transport

@@ -56,15 +56,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from fedasync.config import Config, ServerConfig, StalenessConfig
 from fedasync.server.strategies import Update, make_strategy, params_sha256
-from fedasync.signing import public_raw
+from fedasync.signing import public_raw, sign_block, verify_block_signature  # noqa: F401 (re-exported)
 from fedasync.store import Store, decode_params, encode_params
 from fedasync.store import serverless_schema as SS
 
@@ -73,7 +72,6 @@ log = logging.getLogger("fedasync.ledger")
 Params = dict[str, np.ndarray]
 
 ZERO_HASH = "0" * 64
-BLOCK_PREFIX = b"fedasync-block-v1\n"
 HASH_VERSION = 1
 KINDS = ("genesis", "update", "aggregate")
 
@@ -98,20 +96,6 @@ def block_hash(height: int, prev_hash: str, kind: str, payload_sha256: str, meta
 
 def payload_digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def sign_block(key: Ed25519PrivateKey, hash_hex: str) -> str:
-    return key.sign(BLOCK_PREFIX + bytes.fromhex(hash_hex)).hex()
-
-
-def verify_block_signature(public_key_hex: str, hash_hex: str, signature_hex: str) -> bool:
-    """True iff ``signature_hex`` is a valid Ed25519 signature of the block hash. Never raises."""
-    try:
-        key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_key_hex))
-        key.verify(bytes.fromhex(signature_hex), BLOCK_PREFIX + bytes.fromhex(hash_hex))
-    except (InvalidSignature, ValueError, TypeError):
-        return False
-    return True
 
 
 def simulation_key(seed: int, name: str) -> Ed25519PrivateKey:
