@@ -120,6 +120,16 @@ def _peer_stats(store: Store, run_id: int) -> dict:
     return {str(r["peer"]): dict(r["stats"] or {}, stop_reason=r["stop_reason"], host=r["host"]) for r in rows}
 
 
+def _peer_setup(store: Store, run_id: int, peer_id: int, given: Config | None):
+    """What every peer needs: the run's config and settings, its task, its privacy accountant."""
+    cfg = peer_config(store, run_id, given)
+    info = run_info(store, run_id)
+    _check_peer_id(info, peer_id)
+    task = PeerTask(cfg)
+    privacy = PeerPrivacy(cfg, store, run_id) if cfg.privacy.local_dp.enabled else None
+    return cfg, info, task, privacy
+
+
 # -- the ledger ---------------------------------------------------------------------------------
 
 
@@ -129,11 +139,7 @@ def ledger_peer_loop(store: Store, run_id: int, peer_id: int, key_path: Path, gi
     from fedasync.serverless.flchain import LedgerPeer
     from fedasync.signing import public_raw
 
-    cfg = peer_config(store, run_id, given)
-    info = run_info(store, run_id)
-    _check_peer_id(info, peer_id)
-    task = PeerTask(cfg)
-    privacy = PeerPrivacy(cfg, store, run_id) if cfg.privacy.local_dp.enabled else None
+    cfg, info, task, privacy = _peer_setup(store, run_id, peer_id, given)
     key = _key(key_path)
     peer = LedgerPeer(store, run_id, peer_id, key, task, privacy, emulate=emulate)
     task.train(peer_id, task.init, WARMUP_TASK)  # torch's first step costs seconds: not after the start
@@ -278,11 +284,7 @@ def gossip_peer_loop(store: Store, run_id: int, peer_id: int, given: Config | No
     """One gossip peer until the run stops; its counts."""
     from fedasync.serverless.gossip import GossipPeer
 
-    cfg = peer_config(store, run_id, given)
-    info = run_info(store, run_id)
-    _check_peer_id(info, peer_id)
-    task = PeerTask(cfg)
-    privacy = PeerPrivacy(cfg, store, run_id) if cfg.privacy.local_dp.enabled else None
+    cfg, info, task, privacy = _peer_setup(store, run_id, peer_id, given)
     peer = GossipPeer(store, run_id, peer_id, task, info.settings["neighbours"][peer_id], cfg.seed, privacy,
                       emulate=emulate)
     peer.resume()
