@@ -120,6 +120,16 @@ def _peer_stats(store: Store, run_id: int) -> dict:
     return {str(r["peer"]): dict(r["stats"] or {}, stop_reason=r["stop_reason"], host=r["host"]) for r in rows}
 
 
+def _local_peers(cfg: Config, peers: int, spawn_peers: int | None) -> int:
+    """How many of the ``peers`` this runner starts (``--spawn``), after checking both."""
+    if peers != cfg.data.num_clients:
+        raise ServerlessError(f"--peers {peers}: the config has data.num_clients {cfg.data.num_clients}")
+    n_local = peers if spawn_peers is None else spawn_peers
+    if not 0 <= n_local <= peers:
+        raise ServerlessError(f"--spawn: must be in 0..{peers}, got {n_local}")
+    return n_local
+
+
 def _peer_setup(store: Store, run_id: int, peer_id: int, given: Config | None):
     """What every peer needs: the run's config and settings, its task, its privacy accountant."""
     cfg = peer_config(store, run_id, given)
@@ -184,11 +194,7 @@ def run_ledger(cfg: Config, store_url: str, peers: int, out: Path, max_steps: in
     from fedasync.serverless.sim import ledger_summary
 
     check_serverless(cfg, "ledger")
-    if peers != cfg.data.num_clients:
-        raise ServerlessError(f"--peers {peers}: the config has data.num_clients {cfg.data.num_clients}")
-    n_local = peers if spawn_peers is None else spawn_peers
-    if not 0 <= n_local <= peers:
-        raise ServerlessError(f"--spawn: must be in 0..{peers}, got {n_local}")
+    n_local = _local_peers(cfg, peers, spawn_peers)
     progress = progress or (lambda ev: None)
     store = open_store(store_url)
     max_aggr = max_steps if max_steps is not None else cfg.server.max_versions
@@ -331,11 +337,7 @@ def run_gossip(cfg: Config, store_url: str, peers: int, out: Path, topology: str
     from fedasync.serverless.sim import gossip_summary
 
     check_serverless(cfg, "gossip")
-    if peers != cfg.data.num_clients:
-        raise ServerlessError(f"--peers {peers}: the config has data.num_clients {cfg.data.num_clients}")
-    n_local = peers if spawn_peers is None else spawn_peers
-    if not 0 <= n_local <= peers:
-        raise ServerlessError(f"--spawn: must be in 0..{peers}, got {n_local}")
+    n_local = _local_peers(cfg, peers, spawn_peers)
     progress = progress or (lambda ev: None)
     store = open_store(store_url)
     eval_every = eval_every or cfg.server.eval_every * cfg.server.buffer_size
