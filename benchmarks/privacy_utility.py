@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def run_one(cfg, workdir: Path) -> dict:
-    from fedasync.server.loop import AsyncServer, LocalTransport
+    from fedasync.server.loop import AsyncServer
+    from fedasync.server.transport import LocalTransport
     from fedasync.store import Store, default_sqlite_url
 
     workdir.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from conftest import small_config
 from fedasync.cli import app
-from fedasync.server.loop import AsyncServer, LocalTransport
+from fedasync.server.loop import AsyncServer
+from fedasync.server.transport import LocalTransport
 from fedasync.server.strategies import params_sha256
 from fedasync.serverless import flchain as F
 from fedasync.serverless.sim import simulate_ledger

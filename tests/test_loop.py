@@ -3,7 +3,8 @@
 import numpy as np
 
 from conftest import small_config
-from fedasync.server.loop import AsyncServer, LocalTransport
+from fedasync.server.loop import AsyncServer
+from fedasync.server.transport import LocalTransport
 from fedasync.store import Store, decode_params
 from fedasync.server.strategies import params_sha256
 

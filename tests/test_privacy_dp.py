@@ -225,7 +225,7 @@ def test_auto_noise_is_recalibrated_when_the_device_data_differ(digits):
 def test_handle_train_non_dp_path_has_no_privacy_metrics():
     from fedasync.clients.runner import handle_train
     from fedasync.config import load_config
-    from fedasync.server.loop import client_setup_json
+    from fedasync.server.transport import client_setup_json
 
     cfg = load_config(None, ["data.num_clients=4", "server.concurrency=2", "server.buffer_size=2",
                              "train.local_steps=2"])

@@ -45,7 +45,8 @@ def _fresh_eps(name: str, history, delta: float) -> float:
 
 
 def _run(sets, store_dir, resume_run_id=None):
-    from fedasync.server.loop import AsyncServer, LocalTransport
+    from fedasync.server.loop import AsyncServer
+    from fedasync.server.transport import LocalTransport
     from fedasync.store import default_sqlite_url
 
     cfg = load_config(None, sets)

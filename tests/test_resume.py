@@ -23,7 +23,9 @@ import pytest
 import yaml
 
 from fedasync.config import config_from_dict
-from fedasync.server.loop import AsyncServer, LocalTransport, check_resume_config
+from fedasync.server.loop import AsyncServer
+from fedasync.server.resume import check_resume_config
+from fedasync.server.transport import LocalTransport
 from fedasync.store import Store
 
 FEDASYNC = str(Path(sys.executable).with_name("fedasync"))

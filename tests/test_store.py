@@ -236,7 +236,8 @@ def test_dispatch_reply_and_version_in_one_transaction(url):
 
 def test_a_short_run_on_the_store(url, tmp_path):
     from fedasync.config import config_from_dict
-    from fedasync.server.loop import AsyncServer, LocalTransport
+    from fedasync.server.loop import AsyncServer
+    from fedasync.server.transport import LocalTransport
 
     cfg = config_from_dict({"seed": 2, "data": {"num_clients": 6, "partitioner": "iid"},
                             "model": {"hidden": 8}, "train": {"local_steps": 2, "batch_size": 8},

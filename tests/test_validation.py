@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from fedasync.config import ServerConfig, config_from_dict
-from fedasync.server.loop import AsyncServer, LocalTransport, Reply, TaskMsg
+from fedasync.server.loop import AsyncServer
+from fedasync.server.transport import LocalTransport, Reply, TaskMsg
 from fedasync.server.strategies import params_sha256
 from fedasync.server.validation import REASONS, UpdateValidator
 from fedasync.signing import (

@@ -41,7 +41,8 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from fedasync.config import Config, load_config
-from fedasync.server.loop import AsyncServer, Reply, TaskMsg
+from fedasync.server.loop import AsyncServer
+from fedasync.server.transport import Reply, TaskMsg
 from fedasync.wire import content_to_result, task_content
 
 log = logging.getLogger("fedasync")

@@ -80,7 +80,7 @@ def check_serverless(cfg: Config, kind: str) -> None:
 
 
 def task_seed(seed: int, task_id: int) -> int:
-    from fedasync.server.loop import task_seed as _ts
+    from fedasync.server.transport import task_seed as _ts
 
     return _ts(seed, task_id)
 
@@ -92,7 +92,7 @@ class PeerTask:
     """Data, initial model, speed profiles and evaluation for the peers of one config."""
 
     def __init__(self, cfg: Config):
-        from fedasync.server.loop import client_setup_json
+        from fedasync.server.transport import client_setup_json
         from fedasync.task.data import load_federated
         from fedasync.task.models import build_model, init_params
         from fedasync.task.train import steps_for

@@ -1,0 +1,168 @@
+"""Crash safety and resume: what the loop commits so that a stopped or killed run can go on.
+
+Every batch of dispatches is committed with :func:`loop_state` (strategy snapshot, scheduler
+stream, clock, exhausted clients) and every reply with the version it produced
+(``Store.record_reply``). :func:`restore` rebuilds a server from the store: model, strategy
+(plus the updates buffered since its snapshot), scheduler, clock, counters, history; the tasks
+that were in flight (or cancelled by a stop, or lost) are sent again, under the virtual clock
+exactly as they were (:func:`resend_tasks`), under the wall clock by giving their clients the
+first new tasks. :func:`check_resume_config` says whether a config may continue a stored run.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from fedasync.config import Config
+from fedasync.server.clock import WallClock
+from fedasync.server.strategies import Update
+from fedasync.server.transport import Live, TaskMsg
+from fedasync.store import dumps_state, loads_state
+
+if TYPE_CHECKING:
+    from fedasync.server.loop import AsyncServer
+
+log = logging.getLogger("fedasync")
+
+#: dispatch statuses whose task is sent again on resume (``cancelled``: by a stop)
+RESEND = ("in_flight", "cancelled", "lost")
+
+
+def loop_state(srv: AsyncServer) -> str:
+    """Small, resumable state. The strategy is snapshotted only when its buffer is empty
+    (after an aggregation); the updates buffered since are stored with their parameters
+    (``updates.pending_params``) and re-added on resume, so no reply re-writes the buffer."""
+    if not srv.strategy.pending():
+        srv._strategy_snapshot = srv.strategy.state_dict()
+    return dumps_state({
+        "strategy": srv._strategy_snapshot,
+        "scheduler": srv.scheduler.state_dict(),
+        "virtual_time": srv.clock.now,
+        "exhausted": sorted(srv.exhausted),
+        "time_to_target": srv.time_to_target,
+    })
+
+
+def restore(srv: AsyncServer, run_id: int) -> None:
+    """Load run ``run_id`` into ``srv`` (built for the same config) and mark it running."""
+    store = srv.store
+    run = store.get_run(run_id)
+    srv.run_id = run_id
+    if run.mode != srv.mode:
+        raise RuntimeError(f"run {run_id} is a {run.mode} run; it cannot be resumed in {srv.mode}")
+    if run.status == "running":
+        log.warning("run %d is marked running: resuming it (its server is assumed dead)", run_id)
+    try:
+        srv.version, srv.params = store.load_version(run_id)
+    except KeyError:
+        srv.version = -1
+    if srv.version != run.current_version:
+        raise RuntimeError(f"run {run_id} cannot be resumed: the parameters of its current version "
+                           f"v{run.current_version} were not stored (store.save_parameters: false)")
+    srv.next_task = run.next_task_id
+    state = loads_state(run.loop_state)
+    if state:
+        srv.strategy.load_state_dict(state["strategy"])
+        srv._strategy_snapshot = state["strategy"]
+        srv.scheduler.load_state_dict(state["scheduler"])
+        srv.exhausted = set(state["exhausted"])
+        srv.time_to_target = state["time_to_target"]
+        if srv.virtual:
+            srv.clock.advance_to(state["virtual_time"])
+        else:
+            srv.clock = WallClock(offset=state["virtual_time"])
+    # re-add the accepted updates that were still buffered (none produced a version yet)
+    for u, params in store.pending_updates(run_id):
+        _, base = store.load_version(run_id, u.base_version)
+        srv.strategy.add(srv.params, Update(
+            task_id=u.task_id, client_id=u.client_id, params=params, base_params=base,
+            base_version=u.base_version, staleness=u.staleness, num_examples=u.num_examples or 0,
+        ), srv.version)
+    # tasks in flight when the server stopped or died (see the module docstring)
+    replied = {u.task_id for u in store.updates(run_id)}
+    pending = [d for d in store.dispatches(run_id)
+               if d.status in RESEND or (d.status == "timeout" and d.task_id not in replied)]
+    if srv.virtual:
+        srv._resend = pending
+    else:
+        for d in pending:
+            store.set_dispatch_status(run_id, d.task_id, "lost", "server restarted")
+            if d.client_id not in srv._priority:
+                srv._priority.append(d.client_id)
+    for row in store.clients(run_id):
+        if row.exhausted:
+            srv.exhausted.add(row.client_id)
+    sync_counts(srv)
+    for v in store.versions(run_id):
+        if v.accuracy is not None:
+            srv.history.append({"version": v.version, "virtual_time_s": round(v.created_virtual, 6),
+                                "accuracy": v.accuracy, "loss": v.loss})
+    store.set_run_status(run_id, "running")
+    log.info("resumed run %d at version %d (%d in-flight tasks re-dispatched)", run_id, srv.version, len(pending))
+
+
+def sync_counts(srv: AsyncServer) -> None:
+    """Counters from the store (on resume, and after an abrupt stop)."""
+    store, run_id = srv.store, srv.run_id
+    counts = store.counts(run_id)
+    srv.received = counts["updates"]
+    srv.accepted = counts["accepted"]
+    srv.staleness, srv.rejections = [], {}
+    for u in store.updates(run_id):
+        if u.accepted:
+            srv.staleness.append(u.staleness)
+        elif u.reason:
+            srv.rejections[u.reason] = srv.rejections.get(u.reason, 0) + 1
+    replays = store.replays(run_id)
+    srv.replays = len(replays)
+    for r in replays:
+        srv.rejections[r.reason] = srv.rejections.get(r.reason, 0) + 1
+    st = store.dispatch_status_counts(run_id)
+    srv.failed = sum(st.get(k, 0) for k in ("failed", "timeout", "late"))
+
+
+def resend_tasks(srv: AsyncServer) -> tuple[list[TaskMsg], list[Live]]:
+    """Virtual clock, on resume: the tasks that were in flight, exactly as they were."""
+    tasks, lives = [], []
+    timeout = srv.cfg.server.task_timeout
+    for d in srv._resend:
+        if d.base_version not in srv.base_cache:
+            srv.base_cache[d.base_version] = srv.store.load_version(srv.run_id, d.base_version)[1]
+        dur = (d.finish_virtual - d.sent_virtual) if d.finish_virtual is not None else 0.0
+        conf = srv._task_config(d.task_id, d.client_id, d.base_version, dur)
+        tasks.append(TaskMsg(d.task_id, d.client_id, srv.node_for_client(d.client_id) if srv.node_for_client
+                             else None, srv.base_cache[d.base_version], conf))
+        lives.append(Live(d.task_id, d.client_id, d.base_version, d.sent_virtual, d.finish_virtual,
+                          d.sent_virtual + timeout if timeout else None, None, timed_out=d.status == "timeout"))
+    srv._resend = []
+    return tasks, lives
+
+
+def check_resume_config(stored_yaml: str, cfg: Config) -> str | None:
+    """Why ``cfg`` cannot continue a run made with ``stored_yaml`` (None: it can). Everything that
+    defines the experiment must match; stop limits, evaluation, failure policy, polling, the store
+    and deployment settings may change."""
+    import yaml
+
+    may_change = {("server", k) for k in ("max_versions", "max_virtual_time", "max_wall_time",
+                                           "target_accuracy", "stop_at_target", "task_timeout", "late_policy",
+                                           "poll_interval", "eval_every")} | {("store",), ("deploy",), ("name",),
+                                                                               ("simulation",)}
+    old = yaml.safe_load(stored_yaml) or {}
+    new = cfg.model_dump(mode="json")
+
+    def walk(a: Any, b: Any, path: tuple) -> str | None:
+        if any(path[: len(m)] == m for m in may_change):
+            return None
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b)):
+                r = walk(a.get(k), b.get(k), path + (k,))
+                if r:
+                    return r
+            return None
+        if a != b:
+            return f"{'.'.join(path)} is {b!r}, the run was made with {a!r}"
+        return None
+
+    return walk(old, new, ())

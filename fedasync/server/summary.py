@@ -1,0 +1,56 @@
+"""A run's summary (``summary.json``, the CLI's table): counts, times, accuracy, staleness."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from fedasync.server.strategies import params_sha256
+
+if TYPE_CHECKING:
+    from fedasync.server.loop import AsyncServer
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def build_summary(srv: AsyncServer) -> dict:
+    """The summary of ``srv``'s run as it stands."""
+    cfg = srv.cfg
+    accs = [h["accuracy"] for h in srv.history]
+    st = srv.staleness
+    return {
+        "run_id": srv.run_id,
+        "name": cfg.name,
+        "strategy": cfg.server.strategy,
+        "seed": cfg.seed,
+        "num_clients": cfg.data.num_clients,
+        "concurrency": cfg.server.concurrency,
+        "backup_workers": cfg.server.backup_workers if cfg.server.strategy == "fedavg" else None,
+        "versions": srv.version,
+        "updates_received": srv.received,
+        "updates_accepted": srv.accepted,
+        "updates_rejected": srv.received - srv.accepted,
+        "rejections": dict(sorted(srv.rejections.items())),
+        "tasks_failed": srv.failed,
+        "replays_rejected": srv.replays,
+        "virtual_time_s": round(srv.clock.now, 6),
+        "wall_time_s": round(time.time() - srv.t_wall0, 3),
+        "final_accuracy": accs[-1] if accs else None,
+        "best_accuracy": max(accs) if accs else None,
+        "target_accuracy": cfg.server.target_accuracy,
+        "time_to_target_s": None if srv.time_to_target is None else round(srv.time_to_target, 6),
+        "staleness": {
+            "mean": float(np.mean(st)) if st else None,
+            "p50": percentile(st, 50), "p95": percentile(st, 95),
+            "max": int(max(st)) if st else None,
+        },
+        "model_sha256": params_sha256(srv.params),
+        "store_url": srv.store.url,
+        "stop_reason": srv.stop_reason,
+        "history": srv.history,
+        **({"privacy": srv.privacy.summary()} if srv.privacy is not None else {}),
+    }

@@ -1,0 +1,124 @@
+"""What crosses between the server loop and the clients: tasks, replies, and the transports.
+
+:class:`TaskMsg` is what is sent, :class:`Live` the loop's record of it while it is open,
+:class:`Reply` what comes back.
+
+:class:`Transport` is what the loop needs; Flower's Grid implements it in ``server/app.py``
+(``GridTransport``) and :class:`LocalTransport` runs the same client code in this process, for
+tests and quick looks. A task carries :func:`client_setup_json` (how a client builds its data,
+model and trainer) and a seed from :func:`task_seed`. No Flower here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from fedasync.config import Config
+
+Params = dict[str, np.ndarray]
+
+
+@dataclass
+class TaskMsg:
+    task_id: int
+    client_id: int
+    node_id: int | None
+    params: Params
+    config: dict[str, Any]
+
+
+@dataclass
+class Live:
+    """A task the loop has sent and not closed yet."""
+
+    task_id: int
+    client_id: int
+    base_version: int
+    sent_t: float
+    finish_t: float | None  # virtual finish time (None under the wall clock)
+    deadline: float | None
+    message_id: str | None
+    timed_out: bool = False
+
+
+@dataclass
+class Reply:
+    task_id: int
+    params: Params | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None  # the task failed (transport or client exception)
+    refused: str | None = None  # the client declined (e.g. privacy_budget_exhausted)
+    signature: bytes | None = None
+    arrival_wall: float = field(default_factory=time.time)
+
+
+class Transport(Protocol):
+    """``poll`` returns replies for (some of) ``message_ids``; anything else it returns is treated
+    as a stray reply (rejected ``replay``). Optional: ``refresh()``, called each wall-clock step."""
+
+    def node_ids(self) -> list[int]: ...
+    def send(self, tasks: list[TaskMsg]) -> list[str | None]: ...  # message ids (None: not sent)
+    def poll(self, message_ids: list[str]) -> list[tuple[str, Reply]]: ...
+
+
+class LocalTransport:
+    """Runs the client code in this process, at send time. No Flower, no Ray."""
+
+    def __init__(self, handler: Callable[[Params, dict], dict] | None = None):
+        if handler is None:
+            from fedasync.clients.runner import handle_train
+
+            handler = handle_train
+        self.handler = handler
+        self._ready: dict[str, Reply] = {}
+        self._n = 0
+
+    def node_ids(self) -> list[int]:
+        return [0]
+
+    def send(self, tasks: list[TaskMsg]) -> list[str | None]:
+        ids = []
+        for t in tasks:
+            self._n += 1
+            mid = f"local-{self._n}"
+            try:
+                self._ready[mid] = reply_from_content(t.task_id, self.handler(t.params, t.config))
+            except Exception as e:  # a client exception comes back as an error reply
+                self._ready[mid] = Reply(task_id=t.task_id, error=f"{type(e).__name__}: {e}")
+            ids.append(mid)
+        return ids
+
+    def poll(self, message_ids: list[str]) -> list[tuple[str, Reply]]:
+        return [(m, self._ready.pop(m)) for m in message_ids if m in self._ready]
+
+
+def reply_from_content(task_id: int, content: dict) -> Reply:
+    """Turn a client handler's result dict into a Reply."""
+    return Reply(
+        task_id=task_id,
+        params=content.get("params"),
+        metrics=dict(content.get("metrics", {})),
+        refused=content.get("refused"),
+        signature=content.get("signature"),
+    )
+
+
+def client_setup_json(cfg: Config) -> str:
+    """What a client needs to build its data, model and trainer (sent with every task)."""
+    return json.dumps({
+        "seed": cfg.seed,
+        "data": cfg.data.model_dump(mode="json"),
+        "model": cfg.model.model_dump(mode="json"),
+        "train": cfg.train.model_dump(mode="json"),
+        "privacy": cfg.privacy.model_dump(mode="json"),
+    }, sort_keys=True)
+
+
+def task_seed(seed: int, task_id: int) -> int:
+    """The seed of task ``task_id``'s local training (independent of which client runs it)."""
+    return int(np.random.SeedSequence([seed, task_id]).generate_state(1)[0])
