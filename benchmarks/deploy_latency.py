@@ -32,7 +32,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from fedasync.cli.deploy import make_certs, make_supernode_auth_key, stop_process
+from fedasync.deploy.certs import make_certs
+from fedasync.deploy.keys import make_supernode_auth_key
+from fedasync.deploy.processes import stop_process
 from fedasync.signing import generate_key, save_keypair
 from fedasync.store import Store
 

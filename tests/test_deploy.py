@@ -23,7 +23,7 @@ import yaml
 from typer.testing import CliRunner
 
 from fedasync.cli import app as cli_app
-from fedasync.cli.deploy import _alive, descendants, stop_process, supernode_command
+from fedasync.deploy.processes import alive, descendants, stop_process, supernode_command
 
 FEDASYNC = str(Path(sys.executable).with_name("fedasync"))
 
@@ -74,16 +74,16 @@ class Processes:
     def stop_all(self) -> None:
         for p in reversed(self.procs):
             stop_process(p, timeout=15)
-        left = [x for x in self.ours() if _alive(*x)]
+        left = [x for x in self.ours() if alive(*x)]
         for sig in (signal.SIGTERM, signal.SIGKILL):
             for pid, start in left:
-                if _alive(pid, start):
+                if alive(pid, start):
                     try:
                         os.kill(pid, sig)
                     except ProcessLookupError:
                         pass
             time.sleep(1.0)
-        assert not [x for x in self.ours() if _alive(*x)], "processes left running"
+        assert not [x for x in self.ours() if alive(*x)], "processes left running"
 
 
 def wait_for_text(path: Path, text: str, timeout: float, proc: subprocess.Popen) -> None:
@@ -182,7 +182,7 @@ def test_descendants_finds_grandchildren():
         assert len(below) == 1
     finally:
         stop_process(p, timeout=1)
-    assert not _alive(*below[0])
+    assert not alive(*below[0])
 
 
 class FakeGrid:

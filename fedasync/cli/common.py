@@ -1,4 +1,5 @@
-"""Helpers shared by the CLI commands: config errors, progress bars, tables."""
+"""Helpers shared by the CLI commands: one-line errors, config loading, progress bars, the
+summary table."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Iterator
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from fedasync.config import Config, ConfigError, load_config
 
@@ -78,3 +80,31 @@ def progress_bars() -> Iterator[Progress]:
         TimeElapsedColumn(), console=console, transient=False,
     ) as p:
         yield p
+
+
+def summary_table(rows: dict[str, dict], title: str) -> Table:
+    """One column per run, one row per figure: readable in 80 columns for a handful of runs."""
+    t = Table(title=title)
+    t.add_column("")
+    for label in rows:
+        t.add_column(label, justify="right")
+
+    def fmt(x, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
+    figures = [
+        ("versions", lambda s: str(s["versions"])),
+        ("updates received", lambda s: str(s["updates_received"])),
+        ("updates rejected", lambda s: str(s["updates_rejected"])),
+        ("virtual time (s)", lambda s: fmt(s["virtual_time_s"], ".1f")),
+        ("wall time (s)", lambda s: fmt(s["wall_time_s"], ".1f")),
+        ("final accuracy", lambda s: fmt(s["final_accuracy"], ".4f")),
+        ("best accuracy", lambda s: fmt(s["best_accuracy"], ".4f")),
+        ("time to target (virtual s)", lambda s: fmt(s["time_to_target_s"], ".1f")),
+        ("staleness mean / p95", lambda s: "-" if s["staleness"]["mean"] is None
+         else f"{s['staleness']['mean']:.2f} / {s['staleness']['p95']:.0f}"),
+        ("stopped by", lambda s: str(s.get("stop_reason") or "-")),
+    ]
+    for name, get in figures:
+        t.add_row(name, *[get(s) for s in rows.values()])
+    return t

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from fedasync.cli.common import console, fail, load_or_exit, progress_bars, quiet_flower
-from fedasync.cli.ledger import STORE_HELP, Bar, default_store, prepare, user_errors, write_and_print
+from fedasync.cli.peers import STORE_HELP, Bar, default_store, prepare, user_errors, write_and_print
 
 TOPOLOGY_HELP = "ring | torus | exponential | complete | random-k"
 

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import typer
 from rich.table import Table
 
-from fedasync.cli.common import console, fail, load_or_exit, progress_bars, quiet_flower
-
-STORE_HELP = "SQLAlchemy URL of the store (SQLite for one machine, postgresql+psycopg://... for many)."
+from fedasync.cli.common import console, load_or_exit, progress_bars, quiet_flower
+from fedasync.cli.peers import STORE_HELP, Bar, default_store, fmt4, prepare, user_errors, write_and_print
 
 
 def register(app: typer.Typer) -> None:
@@ -24,114 +22,6 @@ def register(app: typer.Typer) -> None:
     group.command("verify")(verify)
     group.command("show")(show)
     app.add_typer(group, name="ledger")
-
-
-# -- shared with ``fedasync gossip`` ------------------------------------------------------------------
-
-
-@contextmanager
-def user_errors() -> Iterator[None]:
-    """Bad input or state -> one line on stderr, exit 2."""
-    from fedasync.config import ConfigError
-    from fedasync.privacy.budgets import PrivacyError
-    from fedasync.serverless.common import ServerlessError
-    from fedasync.serverless.flchain import ChainError
-    from fedasync.signing import SigningKeyError
-
-    try:
-        yield
-    except (ConfigError, ServerlessError, ChainError, PrivacyError, SigningKeyError, FileExistsError) as e:
-        fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-
-
-def prepare(config: Optional[str], set_: list[str], peers: Optional[int], out: Optional[Path],
-            time_budget: Optional[float], virtual: bool, kind: str):
-    """The config for N peers, and the output directory (new, empty)."""
-    from fedasync.config import ConfigError, apply_overrides, config_from_dict, packaged_example, read_yaml
-    from fedasync.outputs import new_run_dir
-    from fedasync.serverless.common import config_for_peers
-
-    # server.concurrency means nothing without a server, and server.buffer_size means nothing to
-    # gossip: cap them at the number of peers before validating (so `--set data.num_clients=6` works)
-    try:
-        raw = apply_overrides(read_yaml(config or packaged_example("quickstart")), set_)
-        data, srv = raw.get("data"), raw.get("server")
-        n = peers or (data.get("num_clients", 100) if isinstance(data, dict) else None)
-        if isinstance(n, int) and isinstance(srv, dict):
-            caps = {"concurrency": 20, "buffer_size": 10} if kind == "gossip" else {"concurrency": 20}
-            for key, default in caps.items():
-                if isinstance(srv.get(key, default), int):
-                    srv[key] = min(srv.get(key, default), n)
-        cfg = config_from_dict(raw)
-    except ConfigError as e:
-        fail(str(e))
-    with user_errors():
-        cfg = config_for_peers(cfg, peers, kind)
-    if time_budget is not None:
-        if time_budget <= 0:
-            fail(f"--time-budget: must be > 0, got {time_budget}")
-        key = "max_virtual_time" if virtual else "max_wall_time"
-        cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={key: float(time_budget)})})
-    if out is not None and out.exists() and any(out.iterdir()):
-        fail(f"--out: {out} exists and is not empty")
-    if out is None:
-        out = new_run_dir(Path("runs"), f"{cfg.name}-{kind}")
-    out.mkdir(parents=True, exist_ok=True)
-    return cfg, out
-
-
-class Bar:
-    """A progress bar over steps (or time) with accuracy."""
-
-    def __init__(self, bars, label: str, what: str):
-        self.bars, self.what = bars, what
-        self.task = bars.add_task(label, total=None, info="")
-
-    def __call__(self, ev: dict) -> None:
-        total = ev.get("max_steps") or ev.get("max_time")
-        done = ev["version"] if ev.get("max_steps") else ev["time_s"]
-        info = f"{self.what}={ev['version']}  t={ev['time_s']:.1f}s"
-        if ev.get("accuracy") is not None:
-            info += f"  acc={ev['accuracy']:.3f}"
-        if ev.get("consensus_distance") is not None:
-            info += f"  consensus={ev['consensus_distance']:.3g}"
-        self.bars.update(self.task, total=total, completed=done, info=info)
-
-
-def summary_table(s: dict, title: str, rows: list[tuple[str, str]]) -> Table:
-    t = Table(title=title)
-    t.add_column("")
-    t.add_column("", justify="right")
-    ttt = s.get("time_to_target_s")
-    clock = "virtual" if s.get("clock") == "virtual" else "wall-clock"
-    base = [("run", str(s["run_id"])), ("peers", str(s["num_peers"])), ("stop reason", str(s["stop_reason"])),
-            ("final accuracy", _f(s["final_accuracy"])), ("best accuracy", _f(s["best_accuracy"])),
-            (f"time to {s['target_accuracy']} ({clock} s)", "-" if ttt is None else f"{ttt:.2f}"),
-            ("wall s", f"{s['wall_time_s']:.1f}")]
-    if s.get("virtual_time_s") is not None:
-        base.insert(5, ("virtual s", f"{s['virtual_time_s']:.2f}"))
-    for k, v in base + rows:
-        t.add_row(k, v)
-    return t
-
-
-def _f(x) -> str:
-    return "-" if x is None else f"{x:.4f}"
-
-
-def default_store(store: Optional[str], out: Path) -> str:
-    from fedasync.store import default_sqlite_url
-
-    return store or default_sqlite_url(out)
-
-
-def write_and_print(out: Path, cfg, summary: dict, columns: list[str], extra_plot: str | None, title: str,
-                    rows: list[tuple[str, str]]) -> None:
-    from fedasync.serverless.common import write_outputs
-
-    paths = write_outputs(out, cfg, summary, columns, extra_plot)
-    console.print(summary_table(summary, title, rows))
-    console.print("wrote " + ", ".join(str(p) for p in paths.values()) + f"; store {summary['store_url']}")
 
 
 # -- commands -----------------------------------------------------------------------------------------
@@ -262,5 +152,5 @@ def show(
         if row["accuracy"] is None and not all_models:
             continue
         m.add_row(str(row["model_index"]), str(row["height"]), str(row["updates"]), f"{row['created'] - t0:+.2f}s",
-                  _f(row["accuracy"]), _f(row["loss"]))
+                  fmt4(row["accuracy"]), fmt4(row["loss"]))
     console.print(m)

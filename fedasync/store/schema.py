@@ -149,5 +149,3 @@ class Replay(Base):
     received_virtual: Mapped[float] = mapped_column(Float)
     received_wall: Mapped[float] = mapped_column(Float)
 
-
-from fedasync.store import serverless_schema as _serverless_schema  # noqa: E402,F401  (ledger, gossip tables)

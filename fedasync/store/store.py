@@ -22,6 +22,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from fedasync.store import schema as S
+from fedasync.store import serverless_schema as _serverless_schema  # noqa: F401  (its tables on S.Base)
 
 Params = dict[str, np.ndarray]
 

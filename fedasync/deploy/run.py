@@ -1,0 +1,213 @@
+"""``fedasync server`` end to end, below the CLI: TLS settings, the run directory, our SuperLink,
+SuperNode key registration, submitting the deployment ServerApp, following it to the end.
+
+The ServerApp (``fedasync.server.app:deploy_app``) runs in a ``flwr-serverapp`` process of the
+SuperLink and writes the run directory itself (``summary.json``, ``history.csv``,
+``accuracy.png``, ``config.yaml``, the store, ``server.log``); :meth:`ServerRun.follow` reads its
+status file and the store. A first stop request asks the ServerApp to stop (the run's store
+status becomes ``stopping``; it is then marked ``stopped`` and ``--resume`` continues it); a
+second stops the Flower run at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from fedasync.config import Config
+from fedasync.deploy import DeployError
+from fedasync.deploy.federation import APP_PYPROJECT, Federation, store_progress
+from fedasync.deploy.processes import parse_address, tail, wait_for_port
+
+Say = Callable[[str], None]
+
+
+@dataclass
+class TLS:
+    """``certs`` (CA, certificate, key: our SuperLink's), ``ca`` (verifies the SuperLink), or
+    ``insecure``."""
+
+    insecure: bool
+    certs: Optional[tuple[Path, Path, Path]] = None
+    ca: Optional[Path] = None
+
+
+def resolve_tls(superlink: Optional[str], certs: Optional[Path], ssl_certfile: Optional[Path],
+                ssl_keyfile: Optional[Path], ssl_ca_certfile: Optional[Path], root_certificates: Optional[Path],
+                insecure: bool, supernode_auth: bool) -> TLS:
+    """The TLS settings from ``fedasync server``'s options (DeployError naming the option)."""
+    if certs is not None:
+        ssl_ca_certfile = ssl_ca_certfile or certs / "ca.crt"
+        ssl_certfile = ssl_certfile or certs / "server.pem"
+        ssl_keyfile = ssl_keyfile or certs / "server.key"
+    tls = [p for p in (ssl_certfile, ssl_keyfile, ssl_ca_certfile) if p is not None]
+    if insecure and (tls or root_certificates):
+        raise DeployError("--insecure excludes --certs/--ssl-*/--root-certificates")
+    if insecure and supernode_auth:
+        raise DeployError("--supernode-auth: SuperNode authentication needs TLS (drop --insecure, give --certs)")
+    if superlink is None and not insecure and len(tls) != 3:
+        raise DeployError("TLS: give --certs DIR (from `fedasync certs gen`) or --ssl-certfile, --ssl-keyfile and "
+                          "--ssl-ca-certfile (or --insecure for a test on one machine)")
+    ca = root_certificates or ssl_ca_certfile
+    if superlink is not None and not insecure and ca is None:
+        raise DeployError("--superlink: give --root-certificates CA (or --certs DIR) to verify it, or --insecure")
+    for opt, p in (("--ssl-certfile", ssl_certfile), ("--ssl-keyfile", ssl_keyfile),
+                   ("--ssl-ca-certfile", ssl_ca_certfile), ("--root-certificates", root_certificates)):
+        if p is not None and not p.is_file():
+            raise DeployError(f"{opt}: {p}: no such file")
+    return TLS(insecure=insecure, certs=None if insecure else (ssl_ca_certfile, ssl_certfile, ssl_keyfile), ca=ca)
+
+
+def check_out_dir(out: Optional[Path], resume: Optional[int]) -> None:
+    if resume is None and out is not None and out.exists() and any(out.iterdir()):
+        raise DeployError(f"--out: {out} exists and is not empty")
+
+
+class ServerRun:
+    """One ``fedasync server``: :meth:`start`, then :meth:`follow`; :meth:`close` always."""
+
+    def __init__(self, cfg: Config, out: Optional[Path], *, resume: Optional[int], host: str, port: int,
+                 superlink: Optional[str], tls: TLS, auth_keys: dict[int, Path], public_keys: dict[int, bytes],
+                 verbose: bool = False, say: Say = print, warn: Say = print):
+        """Creates the run directory (``out``, default ``runs/<name>-<time>/``)."""
+        from fedasync.outputs import new_run_dir
+
+        self.cfg, self.resume, self.host, self.port, self.superlink = cfg, resume, host, port, superlink
+        self.tls, self.auth_keys, self.public_keys = tls, auth_keys, public_keys
+        self.say, self.warn = say, warn
+        if out is None:
+            out = new_run_dir(Path("runs"), cfg.name)
+        self.out = out.resolve()
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "server-status.json").unlink(missing_ok=True)
+        self.home = Path(os.environ["FLWR_HOME"]) if os.environ.get("FLWR_HOME") else self.out / "flwr"
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.connect = superlink or f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+        self.fed = Federation(self.home, self.connect, tls.ca, tls.insecure, verbose)
+        self.flower_run: int | None = None
+
+    def start(self) -> None:
+        """Our SuperLink (unless ``superlink`` was given), the SuperNode keys, the ServerApp."""
+        chost, cport = parse_address(self.connect)
+        out, fed = self.out, self.fed
+        if self.superlink is None:
+            fed.start_superlink(self.host, self.port, self.tls.certs, bool(self.auth_keys), out / "superlink.log")
+            if not wait_for_port(chost, cport, 60, fed.proc):
+                raise DeployError(f"the SuperLink did not start (see {out / 'superlink.log'}):\n"
+                                  f"{tail(out / 'superlink.log')}", 1)
+            self.say(f"SuperLink on {self.host}:{self.port} ({'insecure' if self.tls.insecure else 'TLS'}"
+                     f"{', SuperNode authentication' if self.auth_keys else ''}); log {out / 'superlink.log'}")
+        registered: dict[int, int] = {}
+        for c, pub in self.auth_keys.items():
+            try:
+                registered[c] = fed.register(pub)
+            except RuntimeError as e:
+                if "already" not in str(e).lower():
+                    raise DeployError(str(e), 1) from None
+                self.warn(f"warning: {pub.name} is already registered with this SuperLink")
+        if registered:
+            self.say(f"registered {len(registered)} SuperNode key(s) (clients {sorted(registered)})")
+        self.flower_run = self._submit(registered)
+        self.say(f"submitted the fedasync ServerApp: Flower run {self.flower_run}; run directory {out}")
+
+    def _submit(self, registered: dict[int, int]) -> int:
+        import tomli_w
+
+        from fedasync import __version__ as fv
+
+        job = {"config_yaml": self.cfg.to_yaml(), "out": str(self.out), "resume": self.resume,
+               "public_keys": {str(c): k.hex() for c, k in self.public_keys.items()},
+               "registered": {str(c): n for c, n in registered.items()}}
+        app_dir = self.home / "fedasync-deploy"
+        app_dir.mkdir(parents=True, exist_ok=True)
+        (app_dir / "pyproject.toml").write_text(APP_PYPROJECT.format(version=fv if re.fullmatch(r"\d+\.\d+\.\d+", fv)
+                                                                     else "0.1.0"))
+        rc = self.home / "run-config.toml"
+        rc.write_text(tomli_w.dumps({"job": json.dumps(job)}))
+        try:
+            return self.fed.submit(app_dir, rc)
+        except RuntimeError as e:
+            raise DeployError(str(e), 1) from None
+
+    def stop_flower_run(self) -> None:
+        if self.flower_run is not None:
+            self.fed.stop_run(self.flower_run)
+
+    def close(self) -> None:
+        self.fed.stop_superlink()
+
+    def follow(self, progress: Callable[[dict], None], stop_asked: Callable[[], int]) -> dict | None:
+        """Follow the ServerApp through its status file and the store until it is done: its
+        summary, or None (failed or stopped at once; said through ``warn``). ``stop_asked()``:
+        how many stop requests (Ctrl-C) there were so far."""
+        from fedasync.store import Store
+
+        fed, out, flower_run, warn = self.fed, self.out, self.flower_run, self.warn
+        status_path = out / "server-status.json"
+        store = None
+        run_id = None
+        t0 = time.monotonic()
+        last_flower_check = 0.0
+        asked = 0
+        while True:
+            if fed.proc is not None and fed.proc.poll() is not None:
+                warn(f"the SuperLink exited ({fed.proc.returncode}):\n{tail(fed.log_path)}")
+                return None
+            st = _read_status(status_path)
+            state = st.get("state")
+            if state == "failed":
+                warn(f"the ServerApp failed: {st.get('error')}\n(see {out / 'server.log'})")
+                return None
+            if st.get("run_id") is not None and store is None:
+                run_id = int(st["run_id"])
+                store = Store(st["store_url"], create=False)
+            if store is not None:
+                if stop_asked() > asked:
+                    asked = stop_asked()
+                    if asked == 1:
+                        warn("stopping after the reply being handled (Ctrl-C again to stop the Flower run at once)")
+                        store.set_run_status(run_id, "stopping")
+                    else:
+                        fed.stop_run(flower_run)
+                        warn("Flower run stopped; continue it with --resume")
+                        return None
+                try:
+                    p = store_progress(store, run_id)
+                    progress({"version": p["version"], "virtual_time_s": time.monotonic() - t0, "updates": p["updates"],
+                              "accepted": p["accepted"], "accuracy": p["accuracy"], "live": p["live"]})
+                except Exception:
+                    pass
+            elif stop_asked() > asked:
+                fed.stop_run(flower_run)
+                warn("stopped before the ServerApp started")
+                return None
+            if state == "done":
+                try:
+                    return json.loads((out / "summary.json").read_text())
+                except (OSError, json.JSONDecodeError):
+                    time.sleep(0.5)
+                    continue
+            now = time.monotonic()
+            if now - last_flower_check > 5:
+                last_flower_check = now
+                fs = fed.run_status(flower_run)
+                if fs and fs.startswith("finished"):
+                    time.sleep(1.0)
+                    if _read_status(status_path).get("state") != "done":
+                        warn(f"the Flower run ended ({fs}) before the ServerApp finished; see "
+                             f"{out / 'server.log'} and {out / 'superlink.log'}"
+                             + (f"; continue with --resume {run_id}" if run_id is not None else ""))
+                        return None
+            time.sleep(1.0)
+
+
+def _read_status(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}

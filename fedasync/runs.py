@@ -1,0 +1,115 @@
+"""Running simulations and continuing stored runs, below the CLI.
+
+:func:`run_configs` runs configs one after another (one start of Flower's simulation engine
+for all, or in-process with ``backend="local"``) and writes each run's directory;
+:func:`resume_config` is the config that continues a stored run (``--resume``), for
+``fedasync simulate`` and ``fedasync server`` alike.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Optional
+
+from fedasync.config import Config, ConfigError, apply_overrides, config_from_dict
+
+#: label, config -> the progress callback of that run (or None)
+ProgressFactory = Callable[[str, Config], Callable[[dict], None]]
+
+
+class RunError(ValueError):
+    """A run that cannot be started or continued as asked: one line naming the option."""
+
+
+def resume_config(config: Optional[str], set_: list[str], out: Optional[Path], run_id: int, cfg: Config,
+                  mode: str) -> Config:
+    """The config that continues run ``run_id``: its stored config (with ``--set``) when no CONFIG
+    is given, else CONFIG (with ``--set``), which must agree with it on everything that defines the
+    experiment (:func:`fedasync.server.resume.check_resume_config`). RunError if it cannot."""
+    import yaml
+
+    from fedasync.server.resume import check_resume_config
+    from fedasync.store import Store, default_sqlite_url
+
+    url = cfg.store.url or (default_sqlite_url(out) if out is not None else None)
+    if url is None:
+        raise RunError("--resume: give --out DIR, the run's directory (it holds the store), or set store.url")
+    if url.startswith("sqlite:///") and not Path(url[len("sqlite:///"):]).is_file():
+        raise RunError(f"--resume: no store at {url}")
+    st = Store(url)
+    try:
+        run = st.get_run(run_id)
+    except KeyError:
+        raise RunError(f"--resume: no run {run_id} in {url}") from None
+    finally:
+        st.close()
+    if run.mode != mode:
+        raise RunError(f"--resume: run {run_id} is a {run.mode} run, not a {mode} run")
+    if config is None:
+        try:
+            new = config_from_dict(apply_overrides(yaml.safe_load(run.config_yaml) or {}, set_))
+        except ConfigError as e:
+            raise RunError(str(e)) from None
+        return new.model_copy(update={"store": cfg.store}) if cfg.store.url else new
+    why = check_resume_config(run.config_yaml, cfg)
+    if why:
+        raise RunError(f"--resume {run_id}: {why}")
+    return cfg
+
+
+def run_configs(
+    configs: list[tuple[str, Config]],
+    out_dirs: dict[str, Path],
+    backend: str,
+    progress: ProgressFactory | None = None,
+    resume: int | None = None,
+    verbose: bool = False,
+) -> dict[str, dict]:
+    """Run each config in turn (one engine start for all) and write its outputs; the summaries
+    by label."""
+    from fedasync.outputs import write_run_outputs
+    from fedasync.server.loop import AsyncServer
+    from fedasync.server.transport import LocalTransport
+    from fedasync.store import Store, default_sqlite_url
+
+    def make_store(label: str, cfg: Config) -> Store:
+        out_dirs[label].mkdir(parents=True, exist_ok=True)
+        return Store(cfg.store.url or default_sqlite_url(out_dirs[label]))
+
+    summaries: dict[str, dict] = {}
+
+    def on_result(label: str, cfg: Config, summary: dict) -> None:
+        write_run_outputs(out_dirs[label], cfg, summary)
+        summaries[label] = summary
+
+    if backend == "local":
+        for label, cfg in configs:
+            server = AsyncServer(cfg, LocalTransport(), make_store(label, cfg), clock="virtual",
+                                 progress=progress(label, cfg) if progress else None, resume_run_id=resume)
+            on_result(label, cfg, server.run())
+        return summaries
+    from flwr.simulation import run_simulation
+
+    from fedasync.clients.app import app as client_app
+    from fedasync.server.app import Job, make_server_app
+
+    first = configs[0][1]
+    n_nodes = first.simulation.num_supernodes or first.data.num_clients
+    actors = first.simulation.num_actors
+    cpus = os.cpu_count() or 1
+    job = Job(configs=configs, make_store=make_store, on_result=on_result, progress=progress,
+              expected_nodes=n_nodes, resume_run_id=resume)
+    run_simulation(
+        server_app=make_server_app(job),
+        client_app=client_app,
+        num_supernodes=n_nodes,
+        backend_config={"client_resources": {"num_cpus": cpus / actors, "num_gpus": 0.0},
+                        "init_args": {"num_cpus": cpus, "include_dashboard": False,
+                                      "log_to_driver": verbose}},
+    )
+    if job.error is not None:
+        if isinstance(job.error, KeyboardInterrupt):
+            raise job.error
+        raise RuntimeError(f"the ServerApp failed:\n{job.error_text}")
+    return summaries
