@@ -365,7 +365,7 @@ def supernode_command(superlink: str, partition_id: int, num_partitions: int, da
                       port: Optional[int] = None, device: Optional[str] = None,
                       privacy_state_dir: Optional[Path] = None, max_wait_time: Optional[float] = None) -> list[str]:
     """The ``flower-supernode`` command line for one device."""
-    node = {"partition-id": partition_id, "num-partitions": num_partitions}
+    node = {"partition-id": partition_id, "num-partitions": num_partitions, "deployed": True}
     if data is not None:
         node["data-path"] = str(data.resolve())
     if signing_key is not None:
@@ -644,7 +644,8 @@ def server(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="More logging."),
 ) -> None:
     """Run the asynchronous server on a SuperLink, for SuperNodes started with `fedasync client`."""
-    from fedasync.cli.common import RunProgress, console, err_console, fail, load_or_exit, progress_bars
+    from fedasync.cli.common import (RunProgress, console, deployable_or_exit, err_console, fail, load_or_exit,
+                                     progress_bars)
     from fedasync.cli.simulate import _summary_table
 
     if config is None and resume is None:
@@ -652,6 +653,7 @@ def server(
     cfg = load_or_exit(config, set_)
     if resume is not None:
         cfg = resume_config(config, set_, out, resume, cfg, mode="deployment")
+    deployable_or_exit(cfg)  # privacy.reproducible_noise: exit 2
     # -- TLS ---------------------------------------------------------------------------
     if certs is not None:
         ssl_ca_certfile = ssl_ca_certfile or certs / "ca.crt"
