@@ -47,6 +47,9 @@ class TrainConfig(_Section):
     batch_size: int = Field(16, gt=0)
     lr: float = Field(0.05, gt=0)
     momentum: float = Field(0.0, ge=0, lt=1)
+    # FedAsync's proximal term (Xie et al. 2019): minimise f(x) + prox_rho/2 ||x - x_tau||^2 locally,
+    # x_tau = the global model the task started from; 0 = plain local SGD
+    prox_rho: float = Field(0.0, ge=0)
     device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
 
 
@@ -99,6 +102,10 @@ class StoreConfig(_Section):
     save_parameters: bool = True
 
 
+GDP_REFUSED = ("gdp is Opacus' Gaussian-DP accountant, a central-limit approximation that can underestimate "
+               "epsilon; fedasync does not enforce budgets, calibrate noise or account a run with it: use rdp or prv")
+
+
 class LocalDPConfig(_Section):
     enabled: bool = False
     epsilon: float | None = Field(None, gt=0)
@@ -109,9 +116,14 @@ class LocalDPConfig(_Section):
     accountant: Literal["rdp", "prv", "gdp"] = "rdp"
     grad_sample_mode: Literal["hooks", "functorch", "ew", "ghost"] = "ghost"
     secure_mode: bool = False
+    # opt-in: replies carry each task's mean training loss, computed on private data WITHOUT noise
+    # or accounting (not covered by the (epsilon, delta) guarantee)
+    report_loss: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> "LocalDPConfig":
+        if self.enabled and self.accountant == "gdp":
+            raise ValueError(f"accountant: {GDP_REFUSED}")
         if self.enabled and self.noise_multiplier == "auto" and self.epsilon is None:
             raise ValueError("epsilon: needed when noise_multiplier is auto")
         if isinstance(self.noise_multiplier, float) and self.noise_multiplier <= 0:
@@ -134,11 +146,27 @@ class CentralDPConfig(_Section):
     delta: float = Field(1e-5, gt=0, lt=1)
     accountant: Literal["rdp", "prv", "gdp"] = "rdp"
 
+    @model_validator(mode="after")
+    def _check(self) -> "CentralDPConfig":
+        if self.enabled and self.accountant == "gdp":
+            raise ValueError(f"accountant: {GDP_REFUSED}")
+        return self
+
 
 class PrivacyConfig(_Section):
     local_dp: LocalDPConfig = LocalDPConfig()
     overrides: list[BudgetOverride] = []
     central_dp: CentralDPConfig = CentralDPConfig()
+    # false (default): every DP noise draw and Poisson sample comes from OS entropy, unknown to the
+    # server; true: derived from the run seed (bit-reproducible research runs; simulation only)
+    reproducible_noise: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> "PrivacyConfig":
+        if self.reproducible_noise and self.local_dp.enabled and self.local_dp.secure_mode:
+            raise ValueError("reproducible_noise: true cannot hold with privacy.local_dp.secure_mode: true "
+                             "(Opacus' torchcsprng generator cannot be seeded)")
+        return self
 
 
 class SimulationConfig(_Section):

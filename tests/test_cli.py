@@ -49,3 +49,15 @@ def test_simulate_compare_writes_each_summary_and_the_comparison(tmp_path):
 def test_runs_on_a_missing_store_is_a_clear_error(tmp_path):
     r = CliRunner().invoke(app, ["runs", "--store", f"sqlite:///{tmp_path}/nope.db"])
     assert r.exit_code == 2 and "no database" in r.output
+
+
+def test_server_refuses_reproducible_noise_before_starting_anything(tmp_path, monkeypatch):
+    from fedasync.config import packaged_example
+
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["server", str(packaged_example("privacy")), "--insecure",
+                                 "--set", "privacy.reproducible_noise=true"])
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: privacy.reproducible_noise: true derives the DP noise")
+    assert list(tmp_path.iterdir()) == []  # no run directory, no SuperLink

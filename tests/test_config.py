@@ -35,6 +35,7 @@ def test_set_overrides_any_key_with_typed_values():
     ("server.buffer_size=101", "server.buffer_size: 101 is larger than data.num_clients (100)"),
     ("server.strategy=fedprox", "server.strategy: Input should be"),
     ("data.alpha=0", "data.alpha: Input should be greater than 0"),
+    ("train.prox_rho=-0.1", "train.prox_rho: Input should be greater than or equal to 0"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError) as e:
@@ -60,7 +61,14 @@ def test_client_sets():
         parse_client_set("0-10", num_clients=5)
 
 
+GDP_LOCAL = ["--set", "privacy.local_dp.enabled=true", "--set", "privacy.local_dp.epsilon=3",
+             "--set", "privacy.local_dp.accountant=gdp"]
+GDP_CENTRAL = ["--set", "privacy.central_dp.enabled=true", "--set", "privacy.central_dp.accountant=gdp"]
+
+
 @pytest.mark.parametrize("args, key", [
+    (GDP_LOCAL, "privacy.local_dp.accountant: gdp"),
+    (GDP_CENTRAL, "privacy.central_dp.accountant: gdp"),
     (["--set", "server.bogus=1"], "server.bogus"),
     (["--set", "server.concurrency=abc"], "server.concurrency"),
     (["--set", "server.concurrency=-1"], "server.concurrency"),
@@ -81,3 +89,27 @@ def test_cli_bad_config_exits_2_and_writes_nothing(tmp_path, monkeypatch, args, 
 def test_every_packaged_example_is_valid(name):
     assert packaged_example(name).is_file()
     load_config(packaged_example(name))
+
+
+def test_gdp_is_refused_wherever_it_would_enforce_calibrate_or_account():
+    msg = ("gdp is Opacus' Gaussian-DP accountant, a central-limit approximation that can underestimate epsilon; "
+           "fedasync does not enforce budgets, calibrate noise or account a run with it: use rdp or prv")
+    for sets, key in ((GDP_LOCAL, "privacy.local_dp.accountant"), (GDP_CENTRAL, "privacy.central_dp.accountant")):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, sets[1::2])
+        assert str(e.value) == f"{key}: {msg}"
+    # off, gdp names nothing that runs: accepted
+    load_config(None, ["privacy.local_dp.accountant=gdp", "privacy.central_dp.accountant=gdp"])
+    r = CliRunner().invoke(app, ["privacy", "plan", str(packaged_example("privacy")),
+                                 "--set", "privacy.local_dp.accountant=gdp"])
+    assert r.exit_code == 2 and "privacy.local_dp.accountant: gdp" in r.output
+
+
+def test_reproducible_noise_defaults_off_and_cannot_hold_with_secure_mode():
+    cfg = load_config(packaged_example("privacy"))
+    assert cfg.privacy.reproducible_noise is False and cfg.privacy.local_dp.report_loss is False
+    assert cfg.train.prox_rho == 0.0
+    with pytest.raises(ConfigError, match=r"^privacy.reproducible_noise: true cannot hold with "
+                                          r"privacy.local_dp.secure_mode: true"):
+        load_config(packaged_example("privacy"), ["privacy.reproducible_noise=true",
+                                                  "privacy.local_dp.secure_mode=true"])

@@ -147,7 +147,8 @@ def test_supernode_command_carries_the_node_config(tmp_path):
     from flwr.common.config import parse_config_args
 
     node = parse_config_args([cmd[cmd.index("--node-config") + 1]])
-    assert node == {"partition-id": 1, "num-partitions": 4, "data-path": str((tmp_path / "d 1.npz").resolve()),
+    assert node == {"partition-id": 1, "num-partitions": 4, "deployed": True,
+                    "data-path": str((tmp_path / "d 1.npz").resolve()),
                     "signing-key": str(key.resolve()), "device": "cpu"}
     assert cmd[cmd.index("--superlink") + 1] == "10.0.0.1:9092" and "--insecure" in cmd
     assert cmd[cmd.index("--port") + 1] == "9101"

@@ -138,3 +138,11 @@ def test_a_failing_client_does_not_stop_the_run(tmp_path):
     assert summary["versions"] == 12 and summary["tasks_failed"] > 0
     failed = store.dispatches(summary["run_id"], status="failed")
     assert failed and all("device fell over" in d.error for d in failed)
+
+
+def test_fedasync_proximal_term_reaches_the_clients(tmp_path):
+    # train.prox_rho travels in the task's setup; 0 (the default) is the run above, bit for bit
+    base, _, _ = run(small_config("server.strategy=fedasync"), tmp_path, "a")
+    zero, _, _ = run(small_config("server.strategy=fedasync", "train.prox_rho=0"), tmp_path, "b")
+    prox, _, _ = run(small_config("server.strategy=fedasync", "train.prox_rho=0.5"), tmp_path, "c")
+    assert zero["model_sha256"] == base["model_sha256"] != prox["model_sha256"]

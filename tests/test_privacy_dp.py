@@ -38,14 +38,14 @@ def _norm(a: dict, b: dict) -> float:
     return float(np.sqrt(sum(np.sum((a[k].astype(np.float64) - b[k]) ** 2) for k in a)))
 
 
-def _train(fed, model_name, mode, seed, *, sigma=1.0, clip=1.0, lr=0.1, steps=4, history=None):
+def _train(fed, model_name, mode, seed, *, sigma=1.0, clip=1.0, lr=0.1, steps=4, history=None, reproducible=True):
     mcfg = ModelConfig(name=model_name, hidden=32)
     model = build_model(mcfg, fed.input_shape, fed.num_classes)
     p0 = init_params(mcfg, fed.input_shape, fed.num_classes, 0)
     set_params(model, p0)
     x, y = fed.partitions[0]
     hook = OpacusHook(noise_multiplier=sigma, max_grad_norm=clip, accountant="rdp", grad_sample_mode=mode,
-                      history=history, seed=seed)
+                      history=history, seed=seed, reproducible_noise=reproducible)
     cfg = TrainConfig(local_steps=steps, batch_size=16, lr=lr)
     try:
         with warnings.catch_warnings():
@@ -67,12 +67,17 @@ def test_every_grad_sample_mode_clips_is_seeded_and_accounts(digits, model_name,
     assert 0 < moved <= bound
     _, plain, _, _ = _train(digits, model_name, mode, seed=3, sigma=0.0, clip=1e6, lr=1.0, steps=4)
     assert _norm(plain.params, p0) > 20 * bound  # without clipping the same steps go much further
-    # seeded: the same task seed gives the same parameters; another seed other noise
+    # reproducible_noise: the same task seed gives the same parameters; another seed other noise
     _, a, ha, _ = _train(digits, model_name, mode, seed=11)
     _, b, _, _ = _train(digits, model_name, mode, seed=11)
     _, c, _, _ = _train(digits, model_name, mode, seed=12)
     assert all(np.array_equal(a.params[k], b.params[k]) for k in a.params)
     assert not all(np.array_equal(a.params[k], c.params[k]) for k in a.params)
+    # secret (the default): the same task seed gives other noise every time
+    _, d, _, _ = _train(digits, model_name, mode, seed=11, reproducible=False)
+    _, e, _, _ = _train(digits, model_name, mode, seed=11, reproducible=False)
+    assert not any(np.array_equal(d.params[k], e.params[k]) for k in d.params)
+    assert not any(np.array_equal(a.params[k], d.params[k]) for k in a.params)
     # Opacus' accountant saw every step at q = 1 / ceil(n / batch)
     assert ha.history == [(1.0, sample_rate_for(n, 16), 4)]
     # the reused model carries no Opacus hooks or per-sample attributes afterwards
@@ -238,3 +243,122 @@ def test_handle_train_non_dp_path_has_no_privacy_metrics():
                                                  steps=2)})
     assert dp["metrics"]["epsilon"] > 0 and dp["metrics"]["dp_steps"] == 2
     assert not all(np.array_equal(out["params"][k], dp["params"][k]) for k in params)
+
+
+# -- secret noise, what a reply carries, gdp, the proximal term ----------------------------------
+
+
+def test_noise_seeds_come_from_os_entropy_unless_reproducible():
+    from fedasync.privacy.dp import noise_seeds
+
+    assert noise_seeds(7, True) == noise_seeds(7, True) != noise_seeds(8, True)
+    secret = {noise_seeds(7, False) for _ in range(4)}
+    assert len(secret) == 4 and noise_seeds(7, True) not in secret
+    assert all(0 <= a < 2**63 and 0 <= b < 2**63 and a != b for a, b in secret)
+
+
+def test_the_server_cannot_subtract_secret_noise(digits):
+    """The issue's attack: rerun the task with the server's seed (here: on the same data, which only
+    helps the attacker) and subtract. With reproducible noise it recovers the noiseless run
+    exactly; with secret noise the difference is the noise itself."""
+    kw = dict(sigma=1000.0, clip=1.0, lr=1e-3, steps=1)
+    p0, noiseless, _, _ = _train(digits, "mlp", "hooks", seed=5, **dict(kw, sigma=0.0))
+    _, attempt, _, _ = _train(digits, "mlp", "hooks", seed=5, **kw)  # the attacker's rerun with the task seed
+    _, reproducible, _, _ = _train(digits, "mlp", "hooks", seed=5, **kw)  # a client with reproducible noise
+    _, secret, _, _ = _train(digits, "mlp", "hooks", seed=5, reproducible=False, **kw)  # the default
+    signal = _norm(noiseless.params, p0)
+    assert _norm(reproducible.params, attempt.params) == 0.0  # the noise subtracts out exactly
+    assert _norm(secret.params, attempt.params) > 100 * signal  # it does not
+
+
+def _setup_cfg(*extra):
+    from fedasync.config import load_config
+
+    return load_config(None, ["data.num_clients=4", "server.concurrency=2", "server.buffer_size=2",
+                              "train.local_steps=2", *extra])
+
+
+def test_a_dp_reply_carries_no_loss_and_the_planned_num_examples(digits):
+    from fedasync.clients.runner import handle_train
+    from fedasync.server.loop import client_setup_json
+
+    cfg = _setup_cfg()
+    fed = load_federated(cfg.data, cfg.seed)
+    params = init_params(cfg.model, fed.input_shape, fed.num_classes, cfg.seed)
+    n = len(fed.partitions[1][1])
+    conf = {"setup": client_setup_json(cfg), "client_id": 1, "seed": 3}
+    pc = _pconf(sample_rate=sample_rate_for(n, 16), steps=2, num_examples=1234)
+    dp = handle_train(params, dict(conf, privacy=pc))
+    assert "loss" not in dp["metrics"] and dp["metrics"]["num_examples"] == 1234  # the server's plan, echoed
+    opt_in = handle_train(params, dict(conf, privacy=dict(pc, report_loss=True)))
+    assert np.isfinite(opt_in["metrics"]["loss"])
+    plain = handle_train(params, conf)
+    assert np.isfinite(plain["metrics"]["loss"]) and plain["metrics"]["num_examples"] == n
+
+
+def test_a_device_refuses_a_task_asking_for_reproducible_noise(digits):
+    from fedasync.clients.runner import handle_train
+    from fedasync.server.loop import client_setup_json
+
+    cfg = _setup_cfg()
+    fed = load_federated(cfg.data, cfg.seed)
+    params = init_params(cfg.model, fed.input_shape, fed.num_classes, cfg.seed)
+    n = len(fed.partitions[1][1])
+    conf = {"setup": client_setup_json(cfg), "client_id": 1, "seed": 3,
+            "privacy": _pconf(sample_rate=sample_rate_for(n, 16), steps=2, reproducible_noise=True)}
+    with pytest.raises(PrivacyError, match=r"^privacy.reproducible_noise: true derives the DP noise"):
+        handle_train(params, conf, device_node=True)
+    with pytest.raises(PrivacyError, match=r"^privacy.reproducible_noise"):
+        handle_train(params, dict(conf, deployment=True))
+    assert handle_train(params, conf)["metrics"]["dp_steps"] == 2  # a simulated client may
+
+
+def test_a_client_never_enforces_a_budget_with_gdp(digits):
+    with pytest.raises(PrivacyError, match=r"^privacy.local_dp.accountant: gdp .*can underestimate epsilon"):
+        _task(digits, _pconf(accountant="gdp"))
+
+
+def test_opacus_secure_rng_warning_becomes_one_info_line(digits, caplog, recwarn):
+    import logging
+
+    import fedasync.privacy.dp as dpmod
+
+    dpmod._said_insecure = False
+    with caplog.at_level(logging.INFO, logger="fedasync.privacy"):
+        for seed in (1, 2):
+            _train(digits, "mlp", "ghost", seed=seed, steps=1, reproducible=False)
+    said = [r for r in caplog.records if "Secure RNG turned off" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "INFO" and "\n" not in said[0].getMessage()
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch", "ew", "ghost"])
+def test_the_proximal_term_is_added_after_clipping_and_noise(digits, mode):
+    """x_0 = x_tau + v; no noise and a clipping norm of 1e-7, so the private gradient is ~0: each step
+    is x <- x - lr rho (x - x_tau), whole. Had the term gone through Opacus (per-sample clipping, or
+    no per-sample gradient at all), x would stay at x_0."""
+    from fedasync.task.train import local_train as lt
+
+    mcfg = ModelConfig(name="mlp", hidden=16)
+    model = build_model(mcfg, digits.input_shape, digits.num_classes)
+    p0 = init_params(mcfg, digits.input_shape, digits.num_classes, 0)
+    set_params(model, p0)
+    x, y = digits.partitions[0]
+    v = {k: np.random.default_rng(1).normal(size=a.shape).astype(np.float32) * 0.1 for k, a in p0.items()}
+    hook = OpacusHook(noise_multiplier=0.0, max_grad_norm=1e-7, grad_sample_mode=mode, seed=0, reproducible_noise=True)
+
+    def shift_then_private(m, opt, loader):  # after the anchor x_tau is taken: start at x_tau + v
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                p.add_(torch.from_numpy(v[name]))
+        return hook(m, opt, loader)
+
+    lr, rho, steps = 0.1, 2.0, 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = lt(model, x, y, TrainConfig(local_steps=steps, batch_size=16, lr=lr, prox_rho=rho), seed=0, device=CPU,
+               make_private=shift_then_private)
+    hook.close()
+    shrink = (1 - lr * rho) ** steps
+    for k in p0:
+        np.testing.assert_allclose(r.params[k], p0[k] + shrink * v[k], atol=1e-5)
+    assert hook.history == [(0.0, sample_rate_for(len(y), 16), steps)]  # the same steps accounted: no extra cost

@@ -24,7 +24,9 @@ SMALL = [
     "server.strategy=fedbuff", "server.concurrency=4", "server.buffer_size=2", "server.eval_every=2",
     "privacy.local_dp.enabled=true", "privacy.local_dp.epsilon=3.0", "privacy.local_dp.planned_tasks=3",
     "privacy.overrides=[{clients: '3', epsilon: 1.5}]",
+    "privacy.reproducible_noise=true",  # these tests pin model hashes; the default noise is secret
 ]
+SECRET = [s for s in SMALL if not s.startswith("privacy.reproducible_noise")]
 BUDGET = {0: 3.0, 1: 3.0, 2: 3.0, 3: 1.5}
 
 
@@ -83,6 +85,32 @@ def test_summary_reports_privacy_and_the_run_stops_when_budgets_run_out(dp_run):
     assert p["epsilon_max"] == max(eps)
     assert p["epsilon_mean"] == pytest.approx(sum(eps) / len(eps), abs=1e-12)
     store.close()
+
+
+def test_dp_replies_carry_no_loss_and_the_planned_num_examples(dp_run):
+    out, s = dp_run
+    assert s["privacy"]["noise"] == {"reproducible": True, "local_dp": "task_seed", "central_dp": None}
+    store = Store(f"sqlite:///{out / 'fedasync.db'}")
+    from fedasync.task.data import load_federated
+
+    cfg = load_config(None, SMALL)
+    sizes = load_federated(cfg.data, cfg.seed).sizes()
+    ups = store.updates(s["run_id"])
+    assert ups and all(u.loss is None for u in ups)  # updates.loss is NULL under local DP
+    assert all(u.num_examples == sizes[u.client_id] for u in ups)  # the server's own plan
+    store.close()
+
+
+def test_two_dp_runs_differ_by_default_and_match_with_reproducible_noise(tmp_path):
+    short = ["server.max_versions=2"]
+    a = _run(SECRET + short, tmp_path / "a")
+    b = _run(SECRET + short, tmp_path / "b")
+    assert a["privacy"]["noise"] == {"reproducible": False, "local_dp": "os_entropy", "central_dp": None}
+    assert a["model_sha256"] != b["model_sha256"]
+    assert a["privacy"]["epsilon_max"] == b["privacy"]["epsilon_max"]  # the same accounting, other noise
+    c = _run(SMALL + short, tmp_path / "c")
+    d = _run(SMALL + short, tmp_path / "d")
+    assert c["model_sha256"] == d["model_sha256"] not in (a["model_sha256"], b["model_sha256"])
 
 
 def test_every_epsilon_recomputes_from_the_recorded_history(dp_run):
@@ -194,6 +222,55 @@ def test_central_dp_is_accounted_per_aggregation(tmp_path):
     res = runner.invoke(app, ["privacy", "report", "--store", str(tmp_path), "--json"])
     central = [r for r in json.loads(res.output) if r["client"] == -1]
     assert central and central[0]["history"] == [[0.8, 0.5, s["versions"]]]
+
+
+# 6 clients, K = 3, widely spread speeds: fast clients finish again before the buffer fills
+SIX = ["name=six", "data.num_clients=6", "server.concurrency=6", "server.buffer_size=3", "clock.sigma=2.5",
+       "server.strategy=fedbuff", "server.max_versions=40", "server.max_virtual_time=null", "server.eval_every=10",
+       "train.local_steps=3", "clock.latency_s=0.0"]
+CENTRAL = ["privacy.central_dp.enabled=true", "privacy.central_dp.noise_multiplier=0.5",
+           "privacy.central_dp.clip=1.0"]
+
+
+def _clients_per_version(store, run_id):
+    per: dict[int, list[int]] = {}
+    for u in store.updates(run_id):
+        if u.applied_in_version is not None:
+            per.setdefault(u.applied_in_version, []).append(u.client_id)
+    return per
+
+
+def test_central_dp_releases_hold_one_term_per_client(tmp_path):
+    plain = _run(SIX, tmp_path / "plain")
+    store = Store(f"sqlite:///{tmp_path / 'plain' / 'fedasync.db'}")
+    repeats = sum(len(set(c)) < len(c) for c in _clients_per_version(store, plain["run_id"]).values())
+    store.close()
+    assert repeats >= 5  # without central DP a client fills several slots of one aggregation (9 of 40)
+
+    s = _run(SIX + CENTRAL, tmp_path / "dp")
+    assert s["versions"] == 40 and s["privacy"]["central_dp"]["releases"] == 40
+    assert s["privacy"]["noise"] == {"reproducible": False, "local_dp": None, "central_dp": "os_entropy"}
+    store = Store(f"sqlite:///{tmp_path / 'dp' / 'fedasync.db'}")
+    per = _clients_per_version(store, s["run_id"])
+    assert sorted(per) == list(range(1, 41))
+    for v, clients in per.items():
+        assert len(clients) == 3 and len(set(clients)) == 3, (v, clients)  # K distinct clients per release
+    rejected = [u for u in store.updates(s["run_id"]) if not u.accepted]
+    assert rejected and {u.reason for u in rejected} == {"client_backlog"}
+    assert s["rejections"] == {"client_backlog": len(rejected)}
+    store.close()
+
+
+def test_central_dp_resumed_run_equals_an_uninterrupted_one_with_reproducible_noise(tmp_path):
+    sets = SIX + CENTRAL + ["privacy.reproducible_noise=true", "server.max_versions=24"]
+    whole = _run(sets, tmp_path / "whole")
+    again = _run(sets, tmp_path / "again")
+    assert whole["model_sha256"] == again["model_sha256"]
+    first = _run(sets[:-1] + ["server.max_versions=9"], tmp_path / "parts")
+    resumed = _run(sets, tmp_path / "parts", resume_run_id=first["run_id"])
+    assert resumed["model_sha256"] == whole["model_sha256"]
+    assert resumed["privacy"]["central_dp"]["releases"] == 24
+    assert resumed["privacy"]["central_dp"]["epsilon"] == whole["privacy"]["central_dp"]["epsilon"]
 
 
 def test_plan_prints_groups_and_the_central_assumption():

@@ -259,16 +259,70 @@ def test_central_dp_clips_and_noise_free_is_clipped_mean():
     assert dp.releases == 1
 
 
-def test_central_dp_deterministic_for_seed_and_noise_scale():
-    def run(seed):
-        s = FedBuff(1, 1.0, CONST, central_dp=CentralDP(clip=2.0, noise_multiplier=1.5, seed=seed))
+def test_central_dp_noise_scale_secret_by_default_and_reproducible_on_request():
+    def run(seed, reproducible):
+        s = FedBuff(1, 1.0, CONST, central_dp=CentralDP(clip=2.0, noise_multiplier=1.5, seed=seed,
+                                                          reproducible=reproducible))
         x0 = {"w": np.zeros(20000, np.float32)}
         return s.add(x0, upd(0, x0, x0), 0)["w"]
 
-    a, b, c = run(11), run(11), run(12)
+    a, b, c = run(11, True), run(11, True), run(12, True)
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
     assert abs(a.mean()) < 0.1 and a.std() == pytest.approx(3.0, rel=0.03)  # std = 1.5 * 2.0
+    d, e = run(11, False), run(11, False)  # the default: OS entropy, whatever the seed
+    assert not np.array_equal(d, e) and not np.array_equal(d, a)
+    assert d.std() == pytest.approx(3.0, rel=0.03)
+
+
+def test_central_dp_never_stores_its_generator():
+    for reproducible in (False, True):
+        dp = CentralDP(1.0, 1.0, seed=3, reproducible=reproducible)
+        dp.privatize([P(w=[1, 2])])
+        assert dp.state_dict() == {"releases": 1, "reproducible": reproducible}
+    # reproducible: release r's noise is a function of (seed, r), so a restored count continues exactly
+    a, b = CentralDP(1.0, 1.0, seed=3, reproducible=True), CentralDP(1.0, 1.0, seed=3, reproducible=True)
+    a.privatize([P(w=[0, 0])])
+    b.load_state_dict({"releases": 1, "bit_generator": {"ignored": "a state stored by an older version"}})
+    np.testing.assert_array_equal(a.privatize([P(w=[0, 0])])["w"], b.privatize([P(w=[0, 0])])["w"])
+    # secret: a restored count continues with fresh entropy
+    c, d = CentralDP(1.0, 1.0, seed=3), CentralDP(1.0, 1.0, seed=3)
+    d.load_state_dict(c.state_dict())
+    assert not np.array_equal(c.privatize([P(w=[0, 0])])["w"], d.privatize([P(w=[0, 0])])["w"])
+
+
+def test_central_dp_release_holds_one_term_per_client():
+    """K = 3. Client 7 finishes three times before the buffer fills: its second update waits for the
+    next release, its third is rejected (client_backlog); every release has 3 distinct clients."""
+    dp = CentralDP(clip=10.0, noise_multiplier=0.0)
+    s = FedBuff(3, 1.0, CONST, central_dp=dp)
+    x0 = P(w=[0, 0])
+    x = x0
+
+    def send(task, client, w):
+        u = upd(task, P(w=w), x0, client_id=client)
+        reason = s.check(u, 0)
+        return reason if reason else s.add(x, u, 0)
+
+    assert send(0, 7, [1, 0]) is None
+    assert send(1, 7, [2, 0]) is None and s.pending() == [0, 1]  # held, still pending
+    assert send(2, 7, [4, 0]) == "client_backlog"  # one buffered + one held already
+    assert send(3, 8, [0, 1]) is None
+    new = send(4, 9, [0, 2])
+    np.testing.assert_allclose(new["w"], [1 / 3, 1.0])  # tasks 0, 3, 4: the held task 1 is not in it
+    assert s.last_aggregated() == [0, 3, 4] and dp.releases == 1
+    assert s.pending() == [1]  # the held update opens the next release
+    x = new
+    assert send(5, 8, [3, 0]) is None
+    assert send(6, 7, [5, 0]) is None and s.pending() == [1, 5, 6]  # 7 is buffered (task 1): held again
+    new = send(7, 9, [0, 3])
+    assert s.last_aggregated() == [1, 5, 7] and dp.releases == 2
+    # without central DP nothing is held (FedBuff's rule and its hashes are unchanged)
+    plain = FedBuff(3, 1.0, CONST)
+    for t in range(2):
+        assert plain.check(upd(t, P(w=[1, 0]), x0, client_id=7), 0) is None
+        assert plain.add(x0, upd(t, P(w=[1, 0]), x0, client_id=7), 0) is None
+    assert plain.add(x0, upd(2, P(w=[1, 0]), x0, client_id=7), 0) is not None
 
 
 def test_central_dp_privatize_direct():
@@ -299,7 +353,8 @@ def _drive(strategy, x, v, bases, items):
     "factory",
     [
         lambda: FedAsync(0.6, make_staleness_fn("hinge", a=0.5, b=1)),
-        lambda: FedBuff(3, 0.8, make_staleness_fn("polynomial"), central_dp=CentralDP(1.0, 1.0, seed=5)),
+        lambda: FedBuff(3, 0.8, make_staleness_fn("polynomial"),
+                        central_dp=CentralDP(1.0, 1.0, seed=5, reproducible=True)),
         lambda: FedBuff(4, 1.0, make_staleness_fn("exponential", a=0.1), weighting="examples"),
         lambda: FedAvg(3, backup_workers=1),
     ],
@@ -346,7 +401,10 @@ def test_make_strategy():
     assert isinstance(fb, FedBuff) and (fb.buffer_size, fb.server_lr, fb.weighting) == (3, 0.5, "examples")
     assert fb.central_dp is None
     dp = make_strategy(ServerConfig(), "uniform", seed=3, central_dp=CentralDPConfig(enabled=True, clip=0.5))
-    assert dp.central_dp is not None and dp.central_dp.clip == 0.5
+    assert dp.central_dp is not None and dp.central_dp.clip == 0.5 and not dp.central_dp.reproducible
+    rep = make_strategy(ServerConfig(), "uniform", seed=3, central_dp=CentralDPConfig(enabled=True),
+                        reproducible_noise=True)
+    assert rep.central_dp.reproducible and rep.central_dp.seed == 3
     assert make_strategy(ServerConfig(), "uniform", central_dp=CentralDPConfig(enabled=False)).central_dp is None
     with pytest.raises(ValueError):
         make_strategy(ServerConfig(), "auto")

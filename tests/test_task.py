@@ -282,6 +282,43 @@ def test_local_train_uses_current_params_and_epochs(digits):
     assert any(not np.array_equal(now[k], p0[k]) for k in now)
 
 
+def test_prox_rho_is_fedasyncs_proximal_objective_and_zero_is_plain_sgd(digits):
+    """train.prox_rho: SGD (with momentum) on f(x) + rho/2 ||x - x_tau||^2, x_tau = the start; 0: unchanged."""
+    from fedasync.task.train import make_loader
+
+    x, y = digits.partitions[0]
+    mcfg = ModelConfig(hidden=16)
+    p0 = init_params(mcfg, digits.input_shape, digits.num_classes, seed=0)
+
+    def run(rho):
+        m = build_model(mcfg, digits.input_shape, digits.num_classes)
+        set_params(m, p0)
+        extra = {} if rho is None else {"prox_rho": rho}  # None: a config without the key
+        cfg = TrainConfig(local_steps=12, batch_size=16, lr=0.1, momentum=0.5, device="cpu", **extra)
+        return local_train(m, x, y, cfg, seed=3, device=CPU).params
+
+    plain, zero, prox = run(None), run(0.0), run(0.5)
+    assert all(np.array_equal(plain[k], zero[k]) for k in plain)  # rho = 0: bit for bit the old training
+    dist = lambda p: float(np.sqrt(sum(np.sum((p[k].astype(np.float64) - p0[k]) ** 2) for k in p)))  # noqa: E731
+    assert dist(prox) < dist(plain)  # pulled towards x_tau
+
+    # the same objective by hand: the loss plus the proximal term, through autograd
+    m = build_model(mcfg, digits.input_shape, digits.num_classes)
+    set_params(m, p0)
+    anchor = [p.detach().clone() for p in m.parameters()]
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.5)
+    torch.random.default_generator.manual_seed(3)
+    for xb, yb in make_loader(x, y, TrainConfig(local_steps=12, batch_size=16), seed=3):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(m(xb), yb)
+        loss = loss + 0.25 * sum(((p - a) ** 2).sum() for p, a in zip(m.parameters(), anchor))
+        loss.backward()
+        opt.step()
+    by_hand = get_params(m)
+    for k in prox:
+        np.testing.assert_allclose(prox[k], by_hand[k], rtol=1e-5, atol=1e-6)
+
+
 def test_make_private_hook_receives_planned_loader(digits):
     x, y = digits.partitions[2]
     seen = {}

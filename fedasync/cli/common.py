@@ -33,6 +33,16 @@ def load_or_exit(path: str | None, overrides: list[str] | None) -> Config:
         fail(str(e))
 
 
+def deployable_or_exit(cfg: Config) -> None:
+    """Exit 2 with one line when ``cfg`` must not run as a deployment (``privacy.reproducible_noise``)."""
+    from fedasync.privacy import check_deployable
+
+    try:
+        check_deployable(cfg)
+    except ConfigError as e:
+        fail(str(e))
+
+
 def quiet_flower(verbose: bool) -> None:
     """Flower and Ray are chatty; keep their warnings unless --verbose asks for everything."""
     level = logging.INFO if verbose else logging.ERROR

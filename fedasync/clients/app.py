@@ -9,7 +9,10 @@ On a real device (``fedasync client``) the SuperNode's node config says who the 
 - ``signing-key`` (optional): its Ed25519 private key; every update is signed over
   ``(run id, task id, base version, sha256 of the parameters)``;
 - ``device`` (optional): ``auto``, ``cpu``, ``cuda`` or ``mps``, overriding ``train.device``;
-- ``privacy-state-dir`` (optional): where it keeps its DP accountant.
+- ``privacy-state-dir`` (optional): where it keeps its DP accountant;
+- ``deployed`` (``fedasync client`` sets it): a real device, which never derives its DP noise
+  from the seed a server sends (a task asking for ``privacy.reproducible_noise`` is refused,
+  even from a server that does not mark its tasks ``deployment``).
 
 A task says it comes from a deployment with ``"deployment": true``; the reply then echoes the
 device's ``client_id`` and the ``task_id``, so that the server can tell a misrouted or replayed
@@ -61,7 +64,8 @@ def train(msg: Message, context: Context) -> Message:
     data_path = node_cfg.get("data-path") or None
     state_dir = node_cfg.get("privacy-state-dir") or None  # a device keeps its DP accountant here
     result = handle_train(params, config, data_path=str(data_path) if data_path else None,
-                          state_dir=str(state_dir) if state_dir else None)
+                          state_dir=str(state_dir) if state_dir else None,
+                          device_node=deployed or bool(node_cfg.get("deployed")))
     if deployed:
         result.setdefault("metrics", {}).update(task_id=int(config["task_id"]), client_id=int(config["client_id"]))
     key_path = node_cfg.get("signing-key")

@@ -3,6 +3,16 @@
 ``handle_train(params, config)`` takes the global model and the task's config (as sent by the
 server) and returns ``{"params": ..., "metrics": {...}}`` or ``{"refused": reason, ...}``.
 Data, model and trainer are built once per process and cached by the setup they came from.
+
+What a reply says under local DP: the parameters (DP-SGD), the accounting (epsilon, the
+accountant history, sigma, q, steps) and ``num_examples`` = the number of records the server
+planned this client with (``privacy.num_examples``, which the server computed itself), not a
+fresh count.  No training ``loss``: it is computed on private data without noise or accounting.
+``privacy.local_dp.report_loss: true`` adds it back, outside the (epsilon, delta) guarantee.
+
+A real device (``device_node``: the SuperNode was started by ``fedasync client``) or a task
+marked ``deployment`` never derives its noise from the seed the server sends: a task asking for
+``privacy.reproducible_noise`` is refused with an error.
 """
 
 from __future__ import annotations
@@ -46,9 +56,10 @@ def local_data(setup_json: str, client_id: int, data_path: str | None = None):
 
 
 def handle_train(params: Params, config: dict[str, Any], data_path: str | None = None,
-                 state_dir: str | None = None) -> dict[str, Any]:
+                 state_dir: str | None = None, device_node: bool = False) -> dict[str, Any]:
     """``state_dir``: where a real device keeps its privacy accountant (node config
-    ``privacy-state-dir``); used when the task carries no accountant history."""
+    ``privacy-state-dir``); used when the task carries no accountant history.  ``device_node``:
+    this is a real device (see the module docstring)."""
     from fedasync.task.models import set_params
     from fedasync.task.train import local_train
 
@@ -60,8 +71,13 @@ def handle_train(params: Params, config: dict[str, Any], data_path: str | None =
     dp_metrics: dict[str, Any] = {}
     if pconf and pconf.get("local_dp"):
         # DP-SGD (Opacus): enforce the budget before training, then train privately
+        from fedasync.privacy.budgets import PrivacyError
         from fedasync.privacy.dp import private_task
 
+        if pconf.get("reproducible_noise") and (device_node or config.get("deployment")):
+            from fedasync.privacy import REPRODUCIBLE_REFUSED
+
+            raise PrivacyError(REPRODUCIBLE_REFUSED)
         set_params(model, params)
         dp = private_task(model, x, y, train_cfg, seed=int(config["seed"]), device=device, pconf=pconf,
                           state_dir=state_dir)
@@ -74,8 +90,11 @@ def handle_train(params: Params, config: dict[str, Any], data_path: str | None =
     sleep_s = float(config.get("sleep_s", 0.0))
     if sleep_s > 0:  # emulate this client's speed in wall-clock time
         time.sleep(max(0.0, sleep_s - (time.perf_counter() - t0)))
-    return {
-        "params": result.params,
-        "metrics": {"num_examples": result.num_examples, "loss": result.loss, "steps": result.steps,
-                    "train_time_s": time.perf_counter() - t0, **dp_metrics},
-    }
+    metrics: dict[str, Any] = {"num_examples": result.num_examples, "loss": result.loss, "steps": result.steps,
+                               "train_time_s": time.perf_counter() - t0, **dp_metrics}
+    if pconf and pconf.get("local_dp"):
+        # what the server already knows (its plan), not a count of private data; loss only on request
+        metrics["num_examples"] = int(pconf.get("num_examples") or int(pconf.get("steps") or 0) * train_cfg.batch_size)
+        if not pconf.get("report_loss"):
+            del metrics["loss"]
+    return {"params": result.params, "metrics": metrics}

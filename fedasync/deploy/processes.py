@@ -148,7 +148,7 @@ def supernode_command(superlink: str, partition_id: int, num_partitions: int, da
                       port: Optional[int] = None, device: Optional[str] = None,
                       privacy_state_dir: Optional[Path] = None, max_wait_time: Optional[float] = None) -> list[str]:
     """The ``flower-supernode`` command line for one device."""
-    node = {"partition-id": partition_id, "num-partitions": num_partitions}
+    node = {"partition-id": partition_id, "num-partitions": num_partitions, "deployed": True}
     if data is not None:
         node["data-path"] = str(data.resolve())
     if signing_key is not None:

@@ -16,8 +16,12 @@ Definitions (written down in docs/privacy.md and pinned in tests):
   ``local_epochs * ceil(n / batch_size)``).
 * **Noise multiplier** ``sigma``: a number from YAML, or ``auto``: calibrated **once** for the
   client's whole planned budget with Opacus' ``get_noise_multiplier(target_epsilon=epsilon,
-  target_delta=delta, sample_rate=q, steps=s * planned_tasks)``.  So the client can take
-  ``planned_tasks`` tasks and the ``planned_tasks + 1``-th would exceed epsilon.
+  target_delta=delta, sample_rate=q, steps=s * planned_tasks)``: the noise for which
+  ``planned_tasks`` tasks spend between ``epsilon - 0.01`` (Opacus' search tolerance) and
+  ``epsilon``.  Whether a further task fits is not part of the plan: the client's own check
+  before each task decides (usually it does not fit; it can when one task costs less than the
+  slack the tolerance leaves, e.g. many small tasks, and under ``prv``, whose epsilon is a
+  numerical bound, the check may also land either side).
 * **History**: the Opacus accountant's ``[[sigma, q, steps], ...]``; one accountant per client
   lives for the whole run, and ``epsilon`` is always ``accountant.get_epsilon(delta)`` of a fresh
   Opacus accountant loaded with the history.
@@ -38,6 +42,8 @@ from typing import Iterable, Sequence
 from fedasync.config import Config, LocalDPConfig, PrivacyConfig, parse_client_set
 
 ACCOUNTANTS = ("rdp", "prv", "gdp")
+#: accountants that may enforce a budget, calibrate noise or account a run (gdp: reporting only)
+ENFORCING_ACCOUNTANTS = ("rdp", "prv")
 
 History = list[tuple[float, float, int]]
 
@@ -55,9 +61,7 @@ def new_accountant(name: str, history: Iterable[Sequence] | None = None):
 
     if name not in ACCOUNTANTS:
         raise PrivacyError(f"privacy accountant: unknown accountant {name!r} (use one of {', '.join(ACCOUNTANTS)})")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*GDP accounting is experimental.*")
-        acc = create_accountant(mechanism=name)
+    acc = create_accountant(mechanism=name)  # gdp warns that it can underestimate: not hidden
     if history:
         acc.load_state_dict({"history": as_history(history), "mechanism": name})
     return acc
@@ -127,16 +131,25 @@ def sample_rate_for(num_examples: int, batch_size: int) -> float:
     return 1.0 / math.ceil(num_examples / b)
 
 
+def check_enforcing(accountant: str, key: str = "privacy.local_dp.accountant") -> None:
+    """Refuse ``gdp`` where epsilon is enforced, noise calibrated or a run accounted."""
+    from fedasync.config import GDP_REFUSED
+
+    if accountant not in ENFORCING_ACCOUNTANTS:
+        raise PrivacyError(f"{key}: {GDP_REFUSED}" if accountant == "gdp" else
+                           f"{key}: unknown accountant {accountant!r} (use rdp or prv)")
+
+
 @functools.lru_cache(maxsize=4096)
 def calibrate(epsilon: float, delta: float, sample_rate: float, total_steps: int, accountant: str) -> float:
     """Opacus ``get_noise_multiplier`` for ``total_steps`` steps at ``sample_rate`` (cached)."""
     from opacus.accountants.utils import get_noise_multiplier
 
+    check_enforcing(accountant)
     if total_steps <= 0:
         raise PrivacyError("privacy.local_dp.planned_tasks: the planned budget has no steps")
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*GDP accounting is experimental.*")
             warnings.filterwarnings("ignore", message=".*Optimal order is the (largest|smallest) alpha.*")
             return float(get_noise_multiplier(target_epsilon=float(epsilon), target_delta=float(delta),
                                               sample_rate=float(sample_rate), steps=int(total_steps),
@@ -235,6 +248,35 @@ def plan_clients(cfg: Config, sizes: Sequence[int]) -> list[ClientPlan]:
         raise PrivacyError(f"data.num_clients: {len(budgets)} clients but {len(sizes)} partitions")
     return [plan_client(c, int(n), steps_for(cfg.train, int(n)), cfg.train.batch_size, b, cfg.privacy.local_dp)
             for c, (n, b) in enumerate(zip(sizes, budgets))]
+
+
+def delta_warnings(plans: Sequence[ClientPlan]) -> list[str]:
+    """One line per group of clients whose ``delta >= 1/n`` for their ``n`` records.
+
+    (epsilon, delta)-DP with ``delta >= 1/n`` is met by a mechanism that publishes one of the
+    ``n`` records outright with probability ``delta``: the guarantee says little there.
+    """
+    groups: dict[float, list[ClientPlan]] = {}
+    for p in plans:
+        if p.budget.delta * p.num_examples >= 1.0:
+            groups.setdefault(p.budget.delta, []).append(p)
+    out = []
+    for delta, ps in sorted(groups.items()):
+        ns = [p.num_examples for p in ps]
+        n = str(ns[0]) if min(ns) == max(ns) else f"{min(ns)}-{max(ns)}"
+        out.append(f"privacy: delta {delta:g} >= 1/n for clients {format_clients(p.client_id for p in ps)} "
+                   f"(n = {n} records): (epsilon, delta)-DP with delta >= 1/n allows publishing a record "
+                   f"outright; choose delta well below 1/n")
+    return out
+
+
+def central_delta_warning(delta: float, num_clients: int) -> str | None:
+    """The client-level analogue: ``privacy.central_dp.delta >= 1 / num_clients``."""
+    if delta * num_clients >= 1.0:
+        return (f"privacy.central_dp: delta {delta:g} >= 1/n for the n = {num_clients} clients (all clients "
+                f"0-{num_clients - 1}): client-level (epsilon, delta)-DP with delta >= 1/n allows publishing one "
+                f"client's data outright; choose delta well below 1/n")
+    return None
 
 
 @dataclass

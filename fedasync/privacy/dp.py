@@ -17,10 +17,25 @@ accountant is restored from the client's history first, so epsilon keeps growing
 3. train with DP-SGD, save the accountant's new state (state dir), and report epsilon after
    the task with the history in the reply metrics.
 
-Determinism: with ``secure_mode: false`` (the default) the Poisson sampler and the noise use
-``torch.Generator`` objects seeded from the task seed, so a run is a pure function of config
-and seed.  ``secure_mode: true`` uses Opacus' torchcsprng generator (not reproducible) and
-stops with a clear error where torchcsprng is not installed.
+Where the randomness comes from (the server must not know it: it could rerun the task on dummy
+data with the same generator and subtract the noise):
+
+* **default** (``privacy.reproducible_noise: false``): the Poisson sampler and the noise use two
+  fresh ``torch.Generator`` objects per task, each seeded with 63 bits from the OS
+  (:func:`secrets.randbits`), never from the task seed or anything else the server sends;
+* ``privacy.reproducible_noise: true``: both generators are seeded from the task seed, so a
+  simulated DP run is a pure function of config and seed (research runs; a deployment refuses
+  it, and a device's ClientApp refuses such a task, see ``clients/runner.py``);
+* ``secure_mode: true``: Opacus' torchcsprng generator (stops with a clear error where
+  torchcsprng is not installed, as here).
+
+Without torchcsprng the generator is a PRNG (Mersenne Twister on CPU, Philox on CUDA), not a
+cryptographically secure one: its outputs are a deterministic function of its 64-bit seed, and
+in principle many of them could reveal its state.  Seeded from OS entropy per task, the noise
+is unknown to the server; what it does not have is a CSPRNG's guarantee.  Opacus warns
+"Secure RNG turned off" once per :class:`~opacus.PrivacyEngine`; fedasync says it once per run
+instead, in one line (:func:`fedasync.privacy.tracker.PrivacyTracker`), and logs Opacus' text at
+INFO on the client.
 """
 
 from __future__ import annotations
@@ -30,6 +45,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import tempfile
 import warnings
 from dataclasses import dataclass
@@ -45,6 +61,7 @@ from fedasync.privacy.budgets import (
     PrivacyError,
     as_history,
     calibrate,
+    check_enforcing,
     epsilon_of,
     extend_history,
     history_json,
@@ -127,6 +144,34 @@ def _derive_seed(seed: int, stream: int) -> int:
     return int(np.random.SeedSequence([int(seed) % (2**63), 0x0D9, stream]).generate_state(1)[0])
 
 
+def noise_seeds(seed: int, reproducible: bool) -> tuple[int, int]:
+    """Seeds of the Poisson sampler's and the noise's generators for one task.
+
+    Reproducible: derived from the task seed.  Otherwise 63 fresh bits each from the OS
+    (:func:`secrets.randbits`), nothing the server sent or could know.
+    """
+    if reproducible:
+        return _derive_seed(seed, 1), _derive_seed(seed, 2)
+    return secrets.randbits(63), secrets.randbits(63)
+
+
+_said_insecure = False
+
+
+def _log_secure_rng_once(caught: list) -> None:
+    """Opacus' "Secure RNG turned off" warning, as one INFO line per process (the server says it
+    once per run at WARNING)."""
+    global _said_insecure
+    for w in caught:
+        text = str(w.message)
+        if "Secure RNG turned off" in text:
+            if not _said_insecure:
+                _said_insecure = True
+                log.info("opacus: %s", " ".join(text.split()))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
 class OpacusHook:
     """``make_private`` hook for :func:`fedasync.task.train.local_train` (one per task).
 
@@ -145,6 +190,7 @@ class OpacusHook:
         history: list | None = None,
         seed: int = 0,
         secure_mode: bool = False,
+        reproducible_noise: bool = False,
     ) -> None:
         if grad_sample_mode not in GRAD_SAMPLE_MODES:
             raise PrivacyError(f"privacy.local_dp.grad_sample_mode: {grad_sample_mode!r} is not one of "
@@ -155,8 +201,11 @@ class OpacusHook:
         self.accountant_name = accountant
         self.grad_sample_mode = grad_sample_mode
         self.initial_history = as_history(history)
+        if reproducible_noise and secure_mode:
+            raise PrivacyError("privacy.reproducible_noise: true cannot hold with secure_mode: true")
         self.seed = int(seed)
         self.secure_mode = bool(secure_mode)
+        self.reproducible_noise = bool(reproducible_noise)
         self.engine = None
         self.module = None
         self.sample_rate: float | None = None
@@ -165,21 +214,22 @@ class OpacusHook:
         from opacus import PrivacyEngine
 
         check_model(model)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*Secure RNG turned off.*")
-            warnings.filterwarnings("ignore", message=".*GDP accounting is experimental.*")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             self.engine = PrivacyEngine(accountant=self.accountant_name, secure_mode=self.secure_mode)
+        _log_secure_rng_once(caught)
         if self.initial_history:
             self.engine.accountant.load_state_dict({"history": list(self.initial_history),
                                                     "mechanism": self.accountant_name})
         batch = int(getattr(data_loader, "planned_batch_size", None) or data_loader.batch_size)
-        # Opacus turns this loader into a Poisson DPDataLoader with q = 1 / len(loader)
-        base = DataLoader(data_loader.dataset, batch_size=batch,
-                          generator=torch.Generator().manual_seed(_derive_seed(self.seed, 1)))
+        sample_seed, noise_seed = noise_seeds(self.seed, self.reproducible_noise)
+        # Opacus turns this loader into a Poisson DPDataLoader with q = 1 / len(loader), sampling
+        # with the loader's generator (secure_mode: with torchcsprng instead)
+        base = DataLoader(data_loader.dataset, batch_size=batch, generator=torch.Generator().manual_seed(sample_seed))
         device = next(model.parameters()).device
         kwargs: dict[str, Any] = {}
         if not self.secure_mode:
-            kwargs["noise_generator"] = torch.Generator(device=device).manual_seed(_derive_seed(self.seed, 2))
+            kwargs["noise_generator"] = torch.Generator(device=device).manual_seed(noise_seed)
         with warnings.catch_warnings():
             # Opacus warns about the ignored full-backward-hook semantics of some layers; not actionable
             warnings.filterwarnings("ignore", category=UserWarning, module=r"opacus\..*")
@@ -283,6 +333,7 @@ def private_task(model: nn.Module, x: np.ndarray, y: np.ndarray, train_cfg, seed
     accountant = pconf["accountant"]
     delta = float(pconf["delta"])
     budget = pconf.get("epsilon")
+    check_enforcing(accountant)  # a client never enforces its budget with gdp, whatever it is sent
     check_secure_mode(bool(pconf.get("secure_mode", False)))
     n = len(y)
     q = sample_rate_for(n, train_cfg.batch_size)
@@ -302,7 +353,8 @@ def private_task(model: nn.Module, x: np.ndarray, y: np.ndarray, train_cfg, seed
             "accountant_history": history_json(history), **common})
     hook = OpacusHook(noise_multiplier=sigma, max_grad_norm=float(pconf["max_grad_norm"]), accountant=accountant,
                       grad_sample_mode=pconf.get("grad_sample_mode", "ghost"), history=history, seed=seed,
-                      secure_mode=bool(pconf.get("secure_mode", False)))
+                      secure_mode=bool(pconf.get("secure_mode", False)),
+                      reproducible_noise=bool(pconf.get("reproducible_noise", False)))
     try:
         with warnings.catch_warnings():
             # Opacus' hooks make torch warn that a full backward hook fires on module outputs: expected

@@ -4,20 +4,28 @@ The server loop (``server/loop.py``) builds one :class:`PrivacyTracker` per run 
 ``privacy.local_dp`` or ``privacy.central_dp`` is enabled and
 
 * adds :meth:`PrivacyTracker.client_config` to every task (under ``"privacy"``): the client's
-  budget, noise multiplier, clipping norm, accountant, ``grad_sample_mode``, ``secure_mode``
-  and, in simulation, its accountant history so far (the store keeps it; a real device keeps
-  its own in a local file and gets the server's record only as a floor);
+  budget, noise multiplier, clipping norm, accountant, ``grad_sample_mode``, ``secure_mode``,
+  ``reproducible_noise``, ``report_loss``, the number of records the server planned it with
+  (echoed back as ``num_examples``) and, in simulation, its accountant history so far (the
+  store keeps it; a real device keeps its own in a local file and gets the server's record only
+  as a floor);
 * records :meth:`PrivacyTracker.on_reply` (a ``privacy_spend`` row and the client's new
   ``accountant_state`` / ``epsilon`` / ``tasks_done``) in the same transaction as the update;
-* puts :meth:`PrivacyTracker.summary` into ``summary.json`` as ``privacy``.
+* puts :meth:`PrivacyTracker.summary` into ``summary.json`` as ``privacy``, including which
+  noise ran (``noise``: from OS entropy, or from the seed with ``privacy.reproducible_noise``);
+* at the start of a run says, once and in one line each: that the noise comes from a seeded
+  PRNG rather than a CSPRNG (Opacus' "Secure RNG turned off"), and every group of clients whose
+  ``delta >= 1/n`` for its ``n`` records.  A deployment refuses ``reproducible_noise``.
 
 Enforcement is the client's (``fedasync.privacy.dp.private_task``): a client whose next task
 would exceed its budget refuses; the loop marks it exhausted and never picks it again.
 
 Central DP (fedbuff, ``privacy.central_dp``): ``strategies.CentralDP`` clips and noises every
-buffer; each aggregation is one release of a Poisson-subsampled Gaussian mechanism with
-client sampling rate ``q = min(1, K / num_clients)`` (an assumption: asynchronous arrival is
-not Poisson sampling), accounted with an Opacus accountant (row ``client_id = -1``).
+buffer, which holds ``K`` updates of ``K`` distinct clients (a client's second update waits for
+the next release), so the sensitivity of a release is ``clip`` per client; each aggregation is
+one release of a Poisson-subsampled Gaussian mechanism with client sampling rate
+``q = min(1, K / num_clients)`` (an assumption: asynchronous arrival is not Poisson sampling),
+accounted with an Opacus accountant (row ``client_id = -1``).
 """
 
 from __future__ import annotations
@@ -32,8 +40,10 @@ from fedasync.privacy.budgets import (
     ClientPlan,
     PrivacyError,
     as_history,
+    central_delta_warning,
     central_epsilon,
     central_sample_rate,
+    delta_warnings,
     history_json,
     history_steps,
     plan_clients,
@@ -41,9 +51,25 @@ from fedasync.privacy.budgets import (
 
 log = logging.getLogger("fedasync.privacy")
 
-CENTRAL_ASSUMPTION = ("each fedbuff aggregation is one release of the Gaussian mechanism on K clipped client "
-                      "deltas, accounted as if its K clients were Poisson-sampled from all clients with "
-                      "q = K / num_clients (asynchronous arrival is not random sampling: this is an assumption)")
+CENTRAL_ASSUMPTION = ("each fedbuff aggregation is one release of the Gaussian mechanism on the clipped deltas "
+                      "of K distinct clients (one term per client), accounted as if its K clients were "
+                      "Poisson-sampled from all clients with q = K / num_clients (asynchronous arrival is not "
+                      "random sampling: this is an assumption)")
+
+INSECURE_RNG = ("Opacus' \"Secure RNG turned off\" (privacy.local_dp.secure_mode: false, torchcsprng absent): "
+                "DP noise and Poisson batches come from torch's seeded PRNG (Mersenne Twister on CPU, Philox on "
+                "CUDA), not a cryptographically secure generator; ")
+
+
+def noise_summary(cfg: Config) -> dict[str, Any]:
+    """Which noise a run uses (``summary.json``: ``privacy.noise``)."""
+    p = cfg.privacy
+    rep = bool(p.reproducible_noise)
+    local = None
+    if p.local_dp.enabled:
+        local = "torchcsprng" if p.local_dp.secure_mode else ("task_seed" if rep else "os_entropy")
+    central = ("run_seed" if rep else "os_entropy") if p.central_dp.enabled else None
+    return {"reproducible": rep, "local_dp": local, "central_dp": central}
 
 
 def _finite(x: float | None) -> float | None:
@@ -84,6 +110,10 @@ class PrivacyTracker:
             self.mode = store.get_run(run_id).mode
         except Exception:  # pragma: no cover - a store without the run row
             self.mode = "simulation"
+        if self.mode == "deployment" and cfg.privacy.reproducible_noise:
+            from fedasync.privacy import REPRODUCIBLE_REFUSED
+
+            raise PrivacyError(REPRODUCIBLE_REFUSED)
         n = cfg.data.num_clients
         self.plans: list[ClientPlan] = []
         self.history: dict[int, list] = {c: [] for c in range(n)}
@@ -107,8 +137,34 @@ class PrivacyTracker:
             if self.central_dp is None:
                 raise PrivacyError("privacy.central_dp: the strategy has no central DP mechanism (use fedbuff)")
             self.central_q = central_sample_rate(cfg.server.buffer_size, n)
+            if resumed:
+                # the strategy's snapshot can predate the last releases (it is taken with an empty
+                # buffer); the store records every release with its version
+                stored = sum(int(r.steps) for r in store.privacy_spend(run_id) if r.client_id == -1)
+                self.central_dp.releases = max(int(self.central_dp.releases), stored)
             self._central_seen = int(self.central_dp.releases)
             self._central_eps = self._central_epsilon(self._central_seen)
+        if not resumed:
+            self._announce()
+
+    def _announce(self) -> None:
+        """Once per run, one line each: where the noise comes from, and delta >= 1/n."""
+        p = self.cfg.privacy
+        if self.local and not p.local_dp.secure_mode:
+            how = ("each task seeds its generators from the task seed (privacy.reproducible_noise: true): anyone "
+                   "with the run's seed can regenerate the noise" if p.reproducible_noise else
+                   "each task seeds its generators with fresh OS entropy, unknown to the server")
+            log.warning("%s%s", INSECURE_RNG, how)
+        if self.central is not None:
+            how = ("derived from the run seed (privacy.reproducible_noise: true): anyone with the seed can "
+                   "regenerate it" if p.reproducible_noise else "seeded with 128 bits of OS entropy when the server "
+                   "starts, never stored")
+            log.warning("central DP noise: numpy's PCG64 (not a cryptographically secure generator), %s", how)
+            w = central_delta_warning(self.central.delta, self.cfg.data.num_clients)
+            if w:
+                log.warning("%s", w)
+        for w in delta_warnings(self.plans):
+            log.warning("%s", w)
 
     # -- what travels with a task ------------------------------------------------------------
     def client_config(self, client_id: int) -> dict[str, Any]:
@@ -129,6 +185,9 @@ class PrivacyTracker:
             "accountant": dp.accountant,
             "grad_sample_mode": dp.grad_sample_mode,
             "secure_mode": dp.secure_mode,
+            "reproducible_noise": self.cfg.privacy.reproducible_noise,
+            "report_loss": dp.report_loss,
+            "num_examples": p.num_examples,  # the server's plan: what the reply reports back
         }
         hist = history_json(self.history[client_id])
         if self.mode == "simulation":
@@ -232,4 +291,5 @@ class PrivacyTracker:
             }
         if central is not None:
             out["central_dp"] = central
+        out["noise"] = noise_summary(self.cfg)
         return out

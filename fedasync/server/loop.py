@@ -102,7 +102,8 @@ class AsyncServer:
         self.num_examples = [len(p[1]) for p in fed.partitions]
         self.profiles = make_profiles(cfg.data.num_clients, cfg.clock, cfg.seed)
         central = cfg.privacy.central_dp if cfg.privacy.central_dp.enabled else None
-        self.strategy = make_strategy(cfg.server, cfg.weighting, cfg.seed, central_dp=central)
+        self.strategy = make_strategy(cfg.server, cfg.weighting, cfg.seed, central_dp=central,
+                                      reproducible_noise=cfg.privacy.reproducible_noise)
         self.scheduler = make_scheduler("uniform", cfg.seed)
         self.client_config = client_config or (lambda cid: {})
         self.live: dict[int, Live] = {}

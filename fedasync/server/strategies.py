@@ -9,12 +9,17 @@ after a returned model, increments the version.
 Rules (``S`` is the staleness function, see :mod:`fedasync.server.staleness`):
 
 - ``fedasync`` (Xie et al. 2019): ``x <- (1 - a_s) x + a_s x_i`` with ``a_s = alpha * S(s)``;
-  computed as ``x + a_s (x_i - x)``. Every update produces a new model.
+  computed as ``x + a_s (x_i - x)``. Every update produces a new model. The paper's client
+  minimises ``f(x) + rho/2 ||x - x_tau||^2`` (``x_tau``: the model it was sent); fedasync's
+  clients do so with ``train.prox_rho = rho`` (default 0: plain local SGD on ``f``), see
+  :func:`fedasync.task.train.local_train`; under local DP the term is data-independent, added
+  after Opacus' clipping and noise, and costs no privacy.
 - ``fedbuff`` (Nguyen et al. 2022): buffer ``S(s_i) * D_i`` with ``D_i = x_i - x_base_i``;
   after ``K`` updates, ``uniform``: ``x <- x + eta * sum_i S_i D_i / K``;
   ``examples``: ``x <- x + eta * sum_i n_i S_i D_i / sum_i n_i``. Exactly ``K`` per aggregation.
   With client-level central DP (:class:`CentralDP`) each ``D_i`` is first clipped to
-  L2 norm ``clip``, then weighted by ``S_i``, summed, Gaussian noise added, divided by ``K``.
+  L2 norm ``clip``, then weighted by ``S_i``, summed, Gaussian noise added, divided by ``K``;
+  and a release holds **at most one term per client** (see :class:`FedBuff`).
 - ``fedavg`` (synchronous, optional backup workers, Chen et al. 2017): a round dispatches
   ``m + b`` tasks from version ``v``; the first ``m`` updates with ``base_version == v``
   are aggregated, ``examples``: ``x <- sum n_i x_i / sum n_i``, ``uniform``: ``mean(x_i)``;
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -162,25 +168,41 @@ class CentralDP:
 
     ``privatize`` clips each delta to global L2 norm ``clip``, multiplies it by its weight
     (the staleness weight, ``<= 1``, so the sensitivity stays ``clip``), sums, and adds
-    ``N(0, (noise_multiplier * clip)^2)`` to every coordinate, drawn in key order from a
-    numpy Generator seeded once with ``seed``. ``releases`` counts the noisy sums released
-    (for the accountant).
+    ``N(0, (noise_multiplier * clip)^2)`` to every coordinate, drawn in key order.
+    ``releases`` counts the noisy sums released (for the accountant).
+
+    Where the noise comes from: by default (``reproducible=False``) a numpy ``PCG64`` generator
+    seeded with 128 bits of OS entropy (:func:`secrets.randbits`) when this object is made;
+    ``reproducible=True`` (``privacy.reproducible_noise``) derives release ``r``'s noise from
+    ``(seed, r)``.  No generator state is ever persisted (:meth:`state_dict` holds only the
+    release count): a stored state would let anyone who reads the database regenerate the
+    noise and subtract it from the stored model versions.  So a resumed run draws fresh
+    entropy (secret noise), or re-derives each release's noise from the seed and the release
+    index (reproducible noise: a resumed run ends with the same model as one never stopped).
+    PCG64 is not a cryptographically secure generator; see the README's privacy section.
     """
 
-    def __init__(self, clip: float, noise_multiplier: float, seed: int = 0) -> None:
+    def __init__(self, clip: float, noise_multiplier: float, seed: int = 0, reproducible: bool = False) -> None:
         if clip <= 0:
             raise ValueError(f"central DP clip must be > 0, got {clip}")
         if noise_multiplier < 0:
             raise ValueError(f"central DP noise_multiplier must be >= 0, got {noise_multiplier}")
         self.clip = float(clip)
         self.noise_multiplier = float(noise_multiplier)
-        self.seed = seed
-        self.rng = np.random.default_rng(seed)
+        self.seed = int(seed)
+        self.reproducible = bool(reproducible)
+        self._secret = None if self.reproducible else np.random.default_rng(secrets.randbits(128))
         self.releases = 0
 
     @property
     def noise_std(self) -> float:
         return self.noise_multiplier * self.clip
+
+    def noise_rng(self) -> np.random.Generator:
+        """The generator for the next release (see the class docstring)."""
+        if self._secret is not None:
+            return self._secret
+        return np.random.default_rng(np.random.SeedSequence([self.seed % 2**64, 0xCE17, self.releases]))
 
     def clip_delta(self, delta: Params) -> Params64:
         """``delta * min(1, clip / ||delta||)`` in float64."""
@@ -198,7 +220,7 @@ class CentralDP:
         """The noisy sum ``sum_i w_i clip(delta_i) + N(0, std^2 I)`` (float64)."""
         if not deltas:
             raise ValueError("privatize: no deltas")
-        rng = self.rng if rng is None else rng
+        rng = self.noise_rng() if rng is None else rng
         weights = [1.0] * len(deltas) if weights is None else list(weights)
         if len(weights) != len(deltas):
             raise ValueError("privatize: one weight per delta")
@@ -214,11 +236,11 @@ class CentralDP:
         return total
 
     def state_dict(self) -> dict[str, Any]:
-        return {"bit_generator": self.rng.bit_generator.state, "releases": self.releases}
+        """The release count only: never the generator (see the class docstring)."""
+        return {"releases": self.releases, "reproducible": self.reproducible}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        self.rng.bit_generator.state = d["bit_generator"]
-        self.releases = int(d["releases"])
+        self.releases = int(d["releases"])  # a state from before 0.x may carry "bit_generator": ignored
 
 
 # -- the strategies -----------------------------------------------------------------
@@ -250,9 +272,31 @@ class FedAsync(Strategy):
 
 
 class FedBuff(Strategy):
-    """Buffer ``S(s_i) * (x_i - x_base_i)``; every ``K`` updates step the model by their mean."""
+    """Buffer ``S(s_i) * (x_i - x_base_i)``; every ``K`` updates step the model by their mean.
+
+    With central DP each release must hold **at most one clipped term per client**, or the
+    sensitivity ``clip`` claimed per client is wrong (a fast client can finish, be sent a new
+    task and finish again before the buffer fills). fedbuff **holds back** a client's second
+    update: an update whose client already has one in the buffer waits (``held``) and enters
+    the buffer, in arrival order, right after the next release; a third update of a client that
+    already has one buffered and one held is rejected (``check``: ``client_backlog``). So every
+    release is exactly ``K`` clipped deltas of ``K`` distinct clients, and the fixed divisor
+    ``K`` is the number of terms, as without DP; the accounting (one Gaussian release per
+    aggregation, sensitivity ``clip`` per client, ``q = K / num_clients``) is unchanged.
+
+    Why not sum a client's buffered deltas and clip the sum (the other choice): it is equally
+    private, but a release would then mix one-term and many-term clients under one divisor
+    ``K`` (a repeated client's work shrinks to one clipped term while still counting ``K``
+    updates), and the fast clients asynchronous arrival favours would be folded in silently.
+    Holding back keeps FedBuff's rule ("the mean of ``K`` updates") and makes the fairness cost
+    visible: a held update waits one release (it keeps the staleness weight it had on arrival),
+    a backlogged one is recorded as rejected. A held update counts in :meth:`pending` (the
+    loop stores its parameters and re-adds it on resume, in arrival order, which rebuilds the
+    same buffer and held list). Without central DP nothing is held.
+    """
 
     name = "fedbuff"
+    BACKLOG = "client_backlog"
 
     def __init__(
         self,
@@ -275,9 +319,18 @@ class FedBuff(Strategy):
         self.weighting = weighting
         self.central_dp = central_dp
         self._buffer: list[dict[str, Any]] = []
+        self._held: list[dict[str, Any]] = []  # central DP: second updates waiting for the next release
 
     def weight(self, update: Update) -> float:
         return self.staleness_fn(update.staleness)
+
+    def _buffered(self, client_id: int) -> bool:
+        return any(e["client_id"] == client_id for e in self._buffer)
+
+    def check(self, update: Update, version: int) -> str | None:
+        if self.central_dp is not None and any(e["client_id"] == update.client_id for e in self._held):
+            return self.BACKLOG
+        return None
 
     def add(self, model: Params, update: Update, version: int) -> Params | None:
         if update.base_params is None:
@@ -285,18 +338,27 @@ class FedBuff(Strategy):
         _check_like(model, update.params, "update")
         _check_like(update.params, update.base_params, "update base")
         xi, xb = _f64(update.params), _f64(update.base_params)
-        self._buffer.append(
-            {
-                "task_id": int(update.task_id),
-                "client_id": int(update.client_id),
-                "delta": {k: xi[k] - xb[k] for k in xi},
-                "weight": self.weight(update),
-                "num_examples": int(update.num_examples),
-            }
-        )
+        entry = {
+            "task_id": int(update.task_id),
+            "client_id": int(update.client_id),
+            "delta": {k: xi[k] - xb[k] for k in xi},
+            "weight": self.weight(update),
+            "num_examples": int(update.num_examples),
+        }
+        if self.central_dp is not None and self._buffered(entry["client_id"]):
+            if self.check(update, version) is not None:
+                raise ValueError(f"fedbuff: update of task {update.task_id} rejected ({self.BACKLOG}); "
+                                 "call check first")
+            self._held.append(entry)
+            return None
+        self._buffer.append(entry)
         if len(self._buffer) < self.buffer_size:
             return None
-        return self._aggregate(model)
+        new = self._aggregate(model)
+        # the held updates are of clients in the release just made, at most one each: all enter
+        # the (now empty) buffer, and fewer than K of them (the last client had none buffered)
+        self._buffer, self._held = self._held, []
+        return new
 
     def _aggregate(self, model: Params) -> Params:
         buf, self._buffer = self._buffer, []
@@ -323,20 +385,25 @@ class FedBuff(Strategy):
         return _cast_like(new, model)
 
     def pending(self) -> list[int]:
-        return [e["task_id"] for e in self._buffer]
+        return [e["task_id"] for e in self._buffer] + [e["task_id"] for e in self._held]
 
     def state_dict(self) -> dict[str, Any]:
         d = super().state_dict()
         d["buffer"] = [dict(e, delta=_copy(e["delta"])) for e in self._buffer]
+        if self._held:
+            d["held"] = [dict(e, delta=_copy(e["delta"])) for e in self._held]
         d["central_dp"] = self.central_dp.state_dict() if self.central_dp is not None else None
         return d
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         super().load_state_dict(d)
-        self._buffer = [
-            dict(e, delta={k: np.array(v, dtype=np.float64, copy=True) for k, v in e["delta"].items()})
-            for e in d.get("buffer", [])
-        ]
+
+        def entries(key: str) -> list[dict[str, Any]]:
+            return [dict(e, delta={k: np.array(v, dtype=np.float64, copy=True) for k, v in e["delta"].items()})
+                    for e in d.get(key, [])]
+
+        self._buffer = entries("buffer")
+        self._held = entries("held")
         if d.get("central_dp") is not None:
             if self.central_dp is None:
                 raise ValueError("state has central DP but this fedbuff has none")
@@ -459,11 +526,12 @@ def make_strategy(
     weighting: str,
     seed: int = 0,
     central_dp: CentralDPConfig | CentralDP | None = None,
+    reproducible_noise: bool = False,
 ) -> Strategy:
     """The strategy ``cfg.strategy``. ``weighting`` is already resolved ("uniform"/"examples").
 
-    ``central_dp``: a :class:`CentralDPConfig` (used when ``enabled``; its noise is seeded
-    with ``seed``) or a ready :class:`CentralDP`.
+    ``central_dp``: a :class:`CentralDPConfig` (used when ``enabled``; its noise comes from OS
+    entropy, or from ``seed`` with ``reproducible_noise``) or a ready :class:`CentralDP`.
     """
     if cfg.strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {cfg.strategy!r}; known: {', '.join(STRATEGIES)}")
@@ -471,7 +539,8 @@ def make_strategy(
         raise ValueError(f"weighting must be one of {WEIGHTINGS} (resolve 'auto' first), got {weighting!r}")
     dp: CentralDP | None
     if isinstance(central_dp, CentralDPConfig):
-        dp = CentralDP(central_dp.clip, central_dp.noise_multiplier, seed) if central_dp.enabled else None
+        dp = (CentralDP(central_dp.clip, central_dp.noise_multiplier, seed, reproducible=reproducible_noise)
+              if central_dp.enabled else None)
     else:
         dp = central_dp
     return STRATEGIES[cfg.strategy](cfg, weighting, dp)
