@@ -361,6 +361,8 @@ class ChainView:
             data = s.scalar(select(SS.LedgerPayload.data).where(SS.LedgerPayload.sha256 == sha))
         if data is None:
             raise ChainError(f"run {self.run_id}: payload {sha[:12]} is missing")
+        if payload_digest(data) != sha:
+            raise ChainError(f"run {self.run_id}: payload {sha[:12]} was changed in the store")
         params = decode_params(data)
         self._cache[sha] = params
         while len(self._cache) > self._cache_size:
