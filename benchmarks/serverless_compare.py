@@ -1,5 +1,6 @@
 """Server vs server-less on one scenario: time to the target accuracy for fedbuff (server), the
-FLchain ledger, and gossip on a ring and on the exponential graph.
+FLchain ledger, and gossip on a ring and on the exponential graph, with each gossip step order
+(``gossip.step_order``: ``paper`` = AD-PSGD, the default, and ``symmetric``).
 
 The scenario is the quickstart (digits, Dirichlet 0.5, MLP, log-normal speed profiles) with
 ``--peers`` clients/peers (default 16) and ``server.concurrency`` = peers, so the server keeps
@@ -12,8 +13,12 @@ command (printed in the report):
   (one process per peer; each peer sleeps its profile's task duration x ``clock.time_scale``),
   reporting wall-clock seconds from the moment every peer was ready.
 
-    python benchmarks/serverless_compare.py                 # virtual clock only (about 2 min here)
+    python benchmarks/serverless_compare.py                 # virtual clock only (a few minutes here)
     python benchmarks/serverless_compare.py --wall          # plus peer processes (several minutes)
+    python benchmarks/serverless_compare.py --step-orders paper   # one gossip step order only
+
+For gossip the table gives the average model's accuracy, the worst peer's own model, and the
+consensus distance ``(1/N) Σ_i ||x_i - x̄||²`` when the run stopped and averaged over the run.
 
 Writes ``benchmarks/results/serverless_compare.{json,md}`` and the section between
 ``<!-- serverless:begin -->`` and ``<!-- serverless:end -->`` of ``benchmarks/README.md``
@@ -56,27 +61,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wall", action="store_true", help="also run the multi-process modes (wall clock)")
     ap.add_argument("--time-scale", type=float, default=1.0, help="clock.time_scale for --emulate-speeds")
     ap.add_argument("--wall-budget", type=float, default=300.0, help="server.max_wall_time of a process run")
+    ap.add_argument("--step-orders", default="paper,symmetric",
+                    help="gossip.step_order values to compare, comma-separated (paper: AD-PSGD)")
     ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--readme", type=Path, default=ROOT / "benchmarks" / "README.md")
     a = ap.parse_args(argv)
     n = a.peers
+    orders = [o.strip() for o in a.step_orders.split(",") if o.strip()]
+    if not orders or any(o not in ("paper", "symmetric") for o in orders):
+        ap.error(f"--step-orders: expected paper and/or symmetric, got {a.step_orders!r}")
     common = ["--set", f"data.num_clients={n}", "--set", f"server.concurrency={n}"]
     virtual = [
         ("fedbuff (server)", "fedbuff", ["simulate", "--backend", "local", *common,
                                           "--set", "server.stop_at_target=true"]),
         ("ledger (FLchain)", "ledger", ["ledger", "run", "--virtual", "--peers", str(n), *common]),
-        ("gossip, ring", "gossip-ring", ["gossip", "run", "--virtual", "--peers", str(n), "--topology", "ring",
-                                        *common]),
-        ("gossip, exponential", "gossip-exponential", ["gossip", "run", "--virtual", "--peers", str(n),
-                                                      "--topology", "exponential", *common]),
     ]
+    for topo in ("ring", "exponential"):
+        for order in orders:
+            virtual.append((f"gossip, {topo}, {order}", f"gossip-{topo}-{order}",
+                            ["gossip", "run", "--virtual", "--peers", str(n), "--topology", topo, *common,
+                             "--set", f"gossip.step_order={order}"]))
     emul = ["--emulate-speeds", "--set", f"clock.time_scale={a.time_scale}",
             "--set", f"server.max_wall_time={a.wall_budget}"]
-    wall = {
-        "ledger": ["ledger", "run", "--peers", str(n), *common, *emul],
-        "gossip-ring": ["gossip", "run", "--peers", str(n), "--topology", "ring", *common, *emul],
-        "gossip-exponential": ["gossip", "run", "--peers", str(n), "--topology", "exponential", *common, *emul],
-    }
+    wall = {"ledger": ["ledger", "run", "--peers", str(n), *common, *emul]}
+    for topo in ("ring", "exponential"):  # peer processes: the first step order only
+        wall[f"gossip-{topo}-{orders[0]}"] = ["gossip", "run", "--peers", str(n), "--topology", topo, *common,
+                                              "--set", f"gossip.step_order={orders[0]}", *emul]
     rows = []
     with tempfile.TemporaryDirectory(prefix="fedasync-serverless-") as tmp:
         for label, key, args in virtual:
@@ -87,8 +97,12 @@ def main(argv: list[str] | None = None) -> int:
                    "updates_to_target": _updates_to_target(s), "final_accuracy": s["final_accuracy"],
                    "model_sha256": s["model_sha256"], "run_wall_s": round(secs, 1)}
             if key.startswith("gossip"):
+                cd = [h["consensus_distance"] for h in s["history"]]
+                row["step_order"] = s["step_order"]
                 row["min_peer_accuracy_final"] = s["final_min_peer_accuracy"]
                 row["consensus_distance_final"] = s["consensus_distance"]["final"]
+                row["consensus_distance_mean"] = sum(cd) / len(cd)
+                row["consensus_distance_max"] = s["consensus_distance"]["max"]
                 row["spectral_gap"] = s["spectral_gap"]
             if a.wall and key in wall:
                 print(f"[wall]    fedasync {shlex.join(wall[key])}", flush=True)
@@ -132,15 +146,20 @@ def render(rows: list[dict], n: int, a) -> str:
         f"the server keeps all {n} busy (`server.concurrency={n}`, FedBuff K = 10). Virtual seconds come from the "
         "deterministic modes (the same speed profiles and task durations as `fedasync simulate`); "
         "local trainings = updates the learners had made when the target was first measured; for gossip, "
-        "the accuracy is the average model's, and the worst peer's own model is shown beside it.",
+        "the accuracy is the average model's, the worst peer's own model is shown beside it, and the consensus "
+        "distance (1/N) Σ ||x_i − x̄||² is given when the run stopped and averaged over its measurements. "
+        "Gossip step orders (`gossip.step_order`): `paper` = AD-PSGD / A(DP)²SGD (x_j ← (x_i + x_j)/2, "
+        "x_i ← (x_i + x_j)/2 + Δ_i; the default), `symmetric` = both ← ((x_i + Δ_i) + x_j)/2.",
         "",
-        "| variant | virtual s to 90 % | local trainings to 90 % | final acc. | worst peer acc. |"
+        "| variant | virtual s to 90 % | local trainings to 90 % | final acc. | worst peer acc. "
+        "| consensus dist. at stop | consensus dist. mean |"
         + (" wall s to 90 % (peer processes) |" if wall else ""),
-        "|---|---:|---:|---:|---:|" + ("---:|" if wall else ""),
+        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if wall else ""),
     ]
     for r in rows:
         line = (f"| {r['variant']} | {_fmt(r['virtual_time_to_target_s'])} | {r['updates_to_target'] or '—'} | "
-                f"{_fmt(r['final_accuracy'], 3)} | {_fmt(r.get('min_peer_accuracy_final'), 3)} |")
+                f"{_fmt(r['final_accuracy'], 3)} | {_fmt(r.get('min_peer_accuracy_final'), 3)} | "
+                f"{_fmt(r.get('consensus_distance_final'), 4)} | {_fmt(r.get('consensus_distance_mean'), 4)} |")
         if wall:
             line += f" {_fmt(r.get('wall_time_to_target_s')) if 'wall_command' in r else 'n/a'} |"
         lines.append(line)
@@ -154,8 +173,9 @@ def render(rows: list[dict], n: int, a) -> str:
                      "ledger adds signed, auditable blocks (`fedasync ledger verify` recomputes every aggregate).")
     for r in rows:
         if r["key"].startswith("gossip"):
-            lines.append(f"- {r['variant']}: spectral gap {r['spectral_gap']:.3g}, final consensus distance "
-                         f"{r['consensus_distance_final']:.3g}; accuracy is the average model's.")
+            lines.append(f"- {r['variant']}: spectral gap {r['spectral_gap']:.3g}, consensus distance at stop "
+                         f"{r['consensus_distance_final']:.3g} (max {r['consensus_distance_max']:.3g}); final model "
+                         f"sha256 {r['model_sha256'][:16]}….")
     if wall:
         lines.append(f"- Wall-clock: one process per peer on this machine (2 CPU cores), `--emulate-speeds` with "
                      f"`clock.time_scale={a.time_scale}` (a peer sleeps its task's virtual duration x "

@@ -181,6 +181,11 @@ class DeployConfig(_Section):
     node_discovery_timeout: float = Field(60.0, gt=0)
 
 
+class GossipConfig(_Section):
+    # paper: AD-PSGD (x_j <- (x_i+x_j)/2, x_i <- (x_i+x_j)/2 + Δ_i); symmetric: both ((x_i+Δ_i)+x_j)/2
+    step_order: Literal["paper", "symmetric"] = "paper"
+
+
 class Config(_Section):
     name: str = "fedasync"
     seed: int = 0
@@ -193,6 +198,7 @@ class Config(_Section):
     privacy: PrivacyConfig = PrivacyConfig()
     simulation: SimulationConfig = SimulationConfig()
     deploy: DeployConfig = DeployConfig()
+    gossip: GossipConfig = GossipConfig()  # fedasync gossip only
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":

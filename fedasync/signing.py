@@ -10,6 +10,11 @@ task ids bind a signature to one dispatch (a signature cannot be replayed for an
 task or run); the base version binds it to the model the client started from; the hash
 binds it to the exact arrays (key order, dtypes, shapes, bytes).
 
+Ledger blocks (:mod:`fedasync.serverless.flchain`): :func:`sign_block` signs
+``b"fedasync-block-v1\\n" + bytes.fromhex(block hash)``; a block carries its signer's raw public
+key as 64 lowercase hex digits (:func:`valid_block_key`), and the chain's genesis block pins
+which keys may sign.
+
 Key files (``fedasync keys gen``):
 
 - ``client-<i>.key``: the private key, PEM (PKCS#8, unencrypted, mode 0600);
@@ -173,5 +178,17 @@ def verify_block_signature(public_key_hex: str, hash_hex: str, signature_hex: st
         key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_key_hex))
         key.verify(bytes.fromhex(signature_hex), BLOCK_PREFIX + bytes.fromhex(hash_hex))
     except (InvalidSignature, ValueError, TypeError):
+        return False
+    return True
+
+
+def valid_block_key(public_key_hex) -> bool:
+    """True iff ``public_key_hex`` is a raw Ed25519 public key as blocks carry it: 64 lowercase
+    hex digits that decode to a key. Never raises."""
+    if not (isinstance(public_key_hex, str) and re.fullmatch(r"[0-9a-f]{64}", public_key_hex)):
+        return False
+    try:
+        Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_key_hex))
+    except ValueError:
         return False
     return True

@@ -1,4 +1,5 @@
-"""FLchain: the ledger of signed updates — hashing, appending, races, verify, tampering, processes."""
+"""FLchain: the ledger of signed updates — hashing, appending, races, verify, tampering, membership,
+processes, the CLI."""
 
 import json
 import os
@@ -13,8 +14,11 @@ from conftest import small_config
 from fedasync.cli import app
 from fedasync.server.loop import AsyncServer
 from fedasync.server.transport import LocalTransport
+from fedasync.config import load_config
 from fedasync.server.strategies import params_sha256
 from fedasync.serverless import flchain as F
+from fedasync.serverless.ledger_peer import LedgerPeer, Work
+from fedasync.serverless.ledger_verify import verify_chain
 from fedasync.serverless.sim import simulate_ledger
 from fedasync.store import Store, decode_params, encode_params
 from fedasync.store import serverless_schema as SS
@@ -98,7 +102,7 @@ def test_simulated_ledger_equals_the_fedbuff_server_bit_for_bit(tmp_path):
     # staleness counted in model blocks == the server's staleness counted in versions
     assert ledger["staleness"]["mean"] == pytest.approx(server["staleness"]["mean"])
     # the aggregates name exactly the updates the server aggregated, in the same order
-    assert F.verify_chain(store, ledger["run_id"]).ok
+    assert verify_chain(store, ledger["run_id"]).ok
 
 
 def test_simulated_chain_is_a_pure_function_of_config_and_seed(tmp_path):
@@ -113,7 +117,7 @@ def test_chain_structure_and_verify_ok(chain):
     store, run_id, summary = chain
     rows, view = check_structure(store, run_id)
     assert summary["aggregate_blocks"] == 6 and summary["stop_reason"] == "max_steps"
-    rep = F.verify_chain(store, run_id)
+    rep = verify_chain(store, run_id)
     assert rep.ok, rep.line()
     assert rep.counts["aggregate"] == rep.counts["aggregates_recomputed"] == 6
     assert rep.counts["update"] == sum(b.kind == "update" for b in rows)
@@ -145,7 +149,7 @@ def test_tamper_one_payload_byte(chain):
         data = bytearray(p.data)
         data[len(data) // 2] ^= 0x01
         p.data = bytes(data)
-    rep = F.verify_chain(store, run_id)
+    rep = verify_chain(store, run_id)
     assert not rep.ok and rep.height == target.height and rep.kind == "update"
     assert "payload sha256 mismatch" in rep.reason
     assert f"height {target.height}" in rep.line()
@@ -159,7 +163,7 @@ def test_tamper_one_signature(chain):
     forged = ("0" if sig[10] != "0" else "1").join([sig[:10], sig[11:]])
     with store.session() as s:
         s.execute(update(SS.LedgerBlock).where(SS.LedgerBlock.id == target.id).values(signature=forged))
-    rep = F.verify_chain(store, run_id)
+    rep = verify_chain(store, run_id)
     assert not rep.ok and rep.height == target.height and "bad signature" in rep.reason
 
 
@@ -190,7 +194,7 @@ def test_tamper_aggregate_parameters_fails_on_the_hash(chain):
     store, run_id, _ = chain
     target = _first(blocks(store, run_id), "aggregate")
     _replace_params(store, target, _nudged(store, target))
-    rep = F.verify_chain(store, run_id)
+    rep = verify_chain(store, run_id)
     assert not rep.ok and rep.height == target.height and rep.kind == "aggregate"
     assert "hash mismatch" in rep.reason
 
@@ -208,7 +212,7 @@ def test_tamper_aggregate_resigned_by_its_author_is_caught_by_recomputation(chai
     with store.session() as s:
         s.execute(update(SS.LedgerBlock).where(SS.LedgerBlock.id == head.id)
                   .values(hash=h, signature=F.sign_block(key, h)))
-    rep = F.verify_chain(store, run_id)
+    rep = verify_chain(store, run_id)
     assert not rep.ok and rep.height == head.height
     assert "differ from the FedBuff aggregate recomputed" in rep.reason
 
@@ -219,8 +223,218 @@ def test_a_missing_block_is_named(chain):
     gone = rows[4]
     with store.session() as s:
         s.delete(s.get(SS.LedgerBlock, gone.id))
-    rep = F.verify_chain(store, run_id)
+    rep = verify_chain(store, run_id)
     assert not rep.ok and rep.height == 4 and "missing" in rep.reason
+
+
+# -- membership: who may sign -----------------------------------------------------------------------
+
+# a chain that can grow after the simulator stops: no max_aggregates, stopped by virtual time
+OPEN = ["server.max_versions=null", "server.max_virtual_time=0.4"]
+AUTHORITY = F.simulation_key(0, "genesis")
+
+
+@pytest.fixture
+def open_chain(tmp_path):
+    """(store, run_id, url, task): a small simulated chain whose members (simulation keys of seed
+    0) may keep appending."""
+    from fedasync.serverless.common import PeerTask
+
+    url = f"sqlite:///{tmp_path / 'open.db'}"
+    store = Store(url)
+    cfg = ledger_cfg(*OPEN)
+    summary = simulate_ledger(cfg, store)
+    assert summary["stop_reason"] == "max_virtual_time" and summary["aggregate_blocks"] >= 1
+    return store, summary["run_id"], url, PeerTask(cfg)
+
+
+def member_key(i):
+    return F.simulation_key(0, f"peer-{i}")
+
+
+def append_honest(store, run_id, task, i, key=None):
+    """Member ``i`` appends one update (from the head model); its height."""
+    p = LedgerPeer(store, run_id, i, key or member_key(i), task)
+    base = p.view.head_model
+    params = {k: v + np.float32(0.01 * (i + 1)) for k, v in p.view.params(base.height).items()}
+    return p, p.append_update(Work(task_id=10_000 + i, base=base.height, base_hash=base.hash, params=params,
+                                   metrics={"num_examples": 5}))
+
+
+def honest_round(store, run_id, task, peers=(1, 2, 3), keys=None):
+    """Peers append one update each, each aggregating when K are pending; (update heights, last aggregate)."""
+    heights, agg = [], None
+    for i in peers:
+        p, h = append_honest(store, run_id, task, i, (keys or {}).get(i))
+        heights.append(h)
+        agg = p.try_aggregate() or agg
+    return heights, agg
+
+
+def append_forged(store, run_id, key, peer, params=None):
+    """An update block signed by ``key`` claiming ``peer``, appended at the head with try_append."""
+    view = F.ChainView(store, run_id)
+    view.refresh()
+    base = view.head_model
+    params = params if params is not None else view.params(base.height)
+    meta = {"base": base.height, "base_hash": base.hash, "peer": peer, "task_id": 99_999, "num_examples": 1000,
+            "loss": 0.1, "epsilon": None, "params_sha256": params_sha256(params)}
+    height = view.height + 1
+    assert F.try_append(store, run_id, key, height, view.head.hash, "update", encode_params(params), meta, None,
+                        peer) is not None
+    return height
+
+
+def cli_verify(url):
+    return CliRunner().invoke(app, ["ledger", "verify", "--store", url])
+
+
+def test_the_genesis_block_pins_every_peer_and_its_key(chain):
+    store, run_id, _ = chain
+    rows = blocks(store, run_id)
+    meta = json.loads(rows[0].meta_json)
+    assert meta["members"] == [{"peer": i, "public_key": member_key(i).public_key().public_bytes_raw().hex()}
+                               for i in range(6)]
+    assert rows[0].public_key == AUTHORITY.public_key().public_bytes_raw().hex()
+    rep = verify_chain(store, run_id)
+    assert rep.ok and rep.counts["members"] == 6 and rep.counts["rejected"] == 0
+
+
+def test_an_outsider_block_fails_verify_and_every_peer_ignores_it(open_chain):
+    """Issue 13: a fresh key, registered nowhere, appends an update claiming peer 0 whose parameters
+    are all 1e3. Verify names its height; peers never aggregate it; verify recomputes the later
+    aggregates without it; `ledger verify` exits 1."""
+    from fedasync.signing import generate_key
+
+    store, run_id, url, task = open_chain
+    view = F.ChainView(store, run_id)
+    view.refresh()
+    huge = {k: np.full_like(v, 1e3) for k, v in view.params(view.head_model.height).items()}
+    bad = append_forged(store, run_id, generate_key(), 0, huge)
+    rep = verify_chain(store, run_id)
+    assert not rep.ok and rep.height == bad and rep.kind == "update"
+    assert "not a member of the run" in rep.reason and f"height {bad}" in rep.line()
+    # honest peers go on; the outsider's update is never pending, so never aggregated
+    view.refresh()
+    assert view.rejected == [bad] and bad not in view.pending and view.blocks[bad].rejected
+    ups, agg = honest_round(store, run_id, task)
+    assert agg is not None and bad not in json.loads(blocks(store, run_id)[agg].meta_json)["updates"]
+    head = F.ChainView(store, run_id)
+    head.refresh()
+    assert float(max(np.max(np.abs(a)) for a in head.params(agg).values())) < 100  # no 1e3 in the model
+    rep = verify_chain(store, run_id)
+    assert not rep.ok and rep.height == bad and rep.fatal is None  # everything else is intact
+    assert agg in rep.counts["aggregate_heights"]  # recomputed bit for bit without the outsider
+    assert "1 later aggregate(s) recomputed" in rep.line()
+    res = cli_verify(url)
+    assert res.exit_code == 1 and f"height {bad} (update)" in res.output and "not a member" in res.output
+
+
+def test_an_aggregate_that_folds_in_a_rejected_block_fails_the_recomputation(open_chain):
+    """A member who aggregates the outsider's update (as a peer trusting every block would) writes
+    an aggregate the chain's own rule does not produce: verify stops there."""
+    from fedasync.signing import generate_key
+
+    store, run_id, url, task = open_chain
+    bad = append_forged(store, run_id, generate_key(), 0)
+    view = F.ChainView(store, run_id)
+    view.refresh()
+    while len(view.pending) < 2:  # honest updates, not aggregated
+        append_honest(store, run_id, task, 1 + len(view.pending))
+        view.refresh()
+    names = sorted(view.pending + [bad])[:3]  # what a peer that trusted every block would aggregate
+    assert bad in names
+    parent = view.models[-1]
+    base = int(view.blocks[bad].meta["base"])
+    ups = [view.update_in(u) if u != bad else
+           F.UpdateIn(bad, 0, view.params(bad), view.params(base), view.model_index[base],
+                      view.num_aggregates - view.model_index[base], 1000) for u in names]
+    new = F.compute_aggregate(view.rule, view.params(parent), view.model_index[parent], ups)
+    meta = {"updates": names, "parent": parent, "parent_hash": view.blocks[parent].hash,
+            "model_index": view.num_aggregates + 1, "peer": 1, "params_sha256": params_sha256(new)}
+    h = view.height + 1
+    assert F.try_append(store, run_id, member_key(1), h, view.head.hash, "aggregate", encode_params(new), meta,
+                        None, 1)
+    rep = verify_chain(store, run_id)
+    assert not rep.ok and rep.height == bad and rep.fatal is not None and rep.fatal[0] == h
+    assert "oldest pending are" in rep.fatal[2] and "the walk stopped there" in rep.line()
+    assert cli_verify(url).exit_code == 1
+
+
+def test_a_member_signing_as_another_member_fails_verify(open_chain):
+    store, run_id, url, task = open_chain
+    bad = append_forged(store, run_id, member_key(1), 0)  # peer 1's own key, claiming peer 0
+    rep = verify_chain(store, run_id)
+    assert not rep.ok and rep.height == bad
+    assert rep.reason == "signed by peer 1's key but claims to be peer 0"
+    view = F.ChainView(store, run_id)
+    view.refresh()
+    assert view.rejected == [bad] and bad not in view.pending
+    res = cli_verify(url)
+    assert res.exit_code == 1 and f"height {bad}" in res.output and "claims to be peer 0" in res.output
+
+
+def test_a_removed_member_cannot_append(open_chain):
+    store, run_id, url, task = open_chain
+    before, _ = honest_round(store, run_id, task, peers=(2,))  # peer 2's update while a member
+    removal = F.append_member(store, run_id, AUTHORITY, "remove", 2)
+    assert verify_chain(store, run_id).ok  # removing is fine; its earlier update stays valid
+    peer = LedgerPeer(store, run_id, 0, member_key(0), task)
+    assert peer.view.members.key_of(2) is None and before[0] in peer.view.pending
+    with pytest.raises(F.ChainError, match="is not peer 2's key"):
+        LedgerPeer(store, run_id, 2, member_key(2), task)
+    bad = append_forged(store, run_id, member_key(2), 2)
+    rep = verify_chain(store, run_id)
+    assert not rep.ok and rep.height == bad
+    assert rep.reason == f"signed by the key of peer 2, removed from the run at height {removal}"
+    res = cli_verify(url)
+    assert res.exit_code == 1 and f"height {bad}" in res.output and "removed from the run" in res.output
+
+
+def test_only_the_authority_admits_peers(open_chain, tmp_path):
+    """Peer 2 removed and re-admitted with a new key (through the CLI, the authority's key file):
+    the new key signs for 2, the old one does not; a member cannot admit anyone."""
+    from fedasync.signing import generate_key, save_keypair
+
+    store, run_id, url, task = open_chain
+    save_keypair(AUTHORITY, tmp_path / "keys", "genesis")
+    new = generate_key()
+    save_keypair(new, tmp_path / "keys", "peer-2")
+    runner = CliRunner()
+    auth = ["--store", url, "--authority", str(tmp_path / "keys" / "genesis.key")]
+    res = runner.invoke(app, ["ledger", "member", "add", *auth, "--peer-id", "2",
+                              "--public-key", str(tmp_path / "keys" / "peer-2.pub")])
+    assert res.exit_code == 2 and "peer 2 is already a member" in res.output
+    res = runner.invoke(app, ["ledger", "member", "remove", *auth, "--peer-id", "2"])
+    assert res.exit_code == 0 and "removed peer 2" in res.output, res.output
+    res = runner.invoke(app, ["ledger", "member", "add", *auth, "--peer-id", "2",
+                              "--public-key", str(tmp_path / "keys" / "peer-2.pub")])
+    assert res.exit_code == 0 and "admitted peer 2" in res.output, res.output
+    # a member's key is not the authority: refused before anything is written, and rejected if forced
+    with pytest.raises(F.ChainError, match="must be signed by the run's authority"):
+        F.append_member(store, run_id, member_key(0), "add", 3, generate_key())
+    ups, agg = honest_round(store, run_id, task, peers=(2, 1, 0), keys={2: new})
+    assert agg is not None and verify_chain(store, run_id).ok
+    view = F.ChainView(store, run_id)
+    view.refresh()
+    h = view.height + 1
+    meta = {"op": "add", "peer": 5, "public_key": generate_key().public_key().public_bytes_raw().hex()}
+    assert F.try_append(store, run_id, member_key(0), h, view.head.hash, "member", b"", meta, None, None)
+    rep = verify_chain(store, run_id)
+    assert not rep.ok and rep.height == h and rep.kind == "member" and "authority" in rep.reason
+    assert cli_verify(url).exit_code == 1
+    res = runner.invoke(app, ["ledger", "show", "--store", url])
+    assert res.exit_code == 0 and f"rejected block at height {h} (member)" in res.output
+
+
+def test_a_peer_whose_key_is_not_a_member_is_refused_before_it_starts(open_chain, tmp_path):
+    from fedasync.serverless.common import ServerlessError
+    from fedasync.serverless.runner import ledger_peer_loop
+
+    store, run_id, url, task = open_chain
+    with pytest.raises(ServerlessError, match=r"peer 3: key \w+ is not peer 3's key .*/peer-3\.pub"):
+        ledger_peer_loop(store, run_id, 3, tmp_path / "k" / "peer-3.key")
+    assert (tmp_path / "k" / "peer-3.pub").exists()  # created, for the authority to admit
 
 
 # -- races ----------------------------------------------------------------------------------------
@@ -243,15 +457,16 @@ def test_threads_racing_for_heights_leave_one_contiguous_chain(tmp_path):
     cfg = ledger_cfg("data.num_clients=8", "server.concurrency=8", "server.max_versions=null")
     url = f"sqlite:///{tmp_path / 'race.db'}"
     store = Store(url)
-    run_id = F.create_ledger(store, cfg, F.Rule.from_config(cfg, 4), F.simulation_key(0, "g"), "wall", 0.0)
     task = PeerTask(cfg)
+    run_id = F.create_ledger(store, cfg, F.Rule.from_config(cfg, 4), F.simulation_key(0, "g"), "wall", 0.0,
+                             members={i: F.simulation_key(0, f"p{i}") for i in range(8)}, init=task.init)
     barrier = threading.Barrier(8)
     errors = []
 
     def peer(i):
         try:
-            p = F.LedgerPeer(Store(url), run_id, i, F.simulation_key(0, f"p{i}"), task)
-            work = F.Work(task_id=i, base=0, base_hash=p.view.blocks[0].hash,
+            p = LedgerPeer(Store(url), run_id, i, F.simulation_key(0, f"p{i}"), task)
+            work = Work(task_id=i, base=0, base_hash=p.view.blocks[0].hash,
                           params={k: v + np.float32(i) for k, v in task.init.items()}, metrics={"num_examples": 1})
             barrier.wait()
             for _ in range(2):
@@ -269,7 +484,7 @@ def test_threads_racing_for_heights_leave_one_contiguous_chain(tmp_path):
     rows, view = check_structure(store, run_id)
     assert sum(b.kind == "update" for b in rows) == 16
     assert view.num_aggregates == 4  # the rule's max_aggregates: 16 updates, K = 3, at most 4
-    assert F.verify_chain(store, run_id).ok
+    assert verify_chain(store, run_id).ok
 
 
 # -- peer processes -------------------------------------------------------------------------------
@@ -288,8 +503,8 @@ BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_eight_peer_processes_append_to_one_ledger(backend, tmp_path):
-    from fedasync.serverless.common import peers as peer_rows
     from fedasync.serverless.runner import run_ledger
+    from fedasync.serverless.runs import peers as peer_rows
 
     if backend == "postgres":
         if not PG_URL:
@@ -304,16 +519,18 @@ def test_eight_peer_processes_append_to_one_ledger(backend, tmp_path):
     run_id = summary["run_id"]
     rows, view = check_structure(store, run_id)
     assert view.num_aggregates == 4 and summary["stop_reason"] == "max_steps"
-    rep = F.verify_chain(store, run_id)
+    rep = verify_chain(store, run_id)
     assert rep.ok, rep.line()
     peers = peer_rows(store, run_id)
     assert [p["peer"] for p in peers] == list(range(8))
     assert all(p["finished_wall"] is not None for p in peers)
     assert summary["peer_exit_codes"] == [0] * 8
     assert not any(_alive(p["pid"]) for p in peers)
-    # every update block is signed by the key its peer registered
+    # every update block is signed by the key its peer registered, the key the genesis block pinned
     keys = {p["peer"]: p["public_key"] for p in peers}
     assert all(b.public_key == keys[b.peer_id] for b in rows if b.kind == "update")
+    assert {m["peer"]: m["public_key"] for m in json.loads(rows[0].meta_json)["members"]} == keys
+    assert (tmp_path / "out" / "keys" / "genesis.key").exists()
 
 
 # -- the CLI --------------------------------------------------------------------------------------
@@ -346,8 +563,36 @@ def test_cli_errors_are_one_line(tmp_path):
     Store(f"sqlite:///{tmp_path / 'empty.db'}")
     res = runner.invoke(app, ["ledger", "verify", "--store", f"sqlite:///{tmp_path / 'empty.db'}"])
     assert res.exit_code == 2 and "no ledger run" in res.output
-    res = runner.invoke(app, ["ledger", "run", "--virtual", "--peers", "4", "--out", str(tmp_path / "o")])
-    assert res.exit_code == 2 and "server.buffer_size" in res.output
+
+
+@pytest.mark.parametrize("kind", ["ledger", "gossip"])
+def test_cli_peers_caps_concurrency_and_buffer_size_and_says_so(kind, tmp_path):
+    """The quickstart (concurrency 20, buffer_size 10) with --peers 4: both capped at 4, one line."""
+    res = CliRunner().invoke(app, [kind, "run", "--virtual", "--peers", "4", "--max-steps", "1",
+                                   "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output
+    notes = [line for line in res.output.splitlines() if line.startswith("note:")]
+    assert notes == ["note: 4 peers: capped server.concurrency 20 -> 4, server.buffer_size 10 -> 4 (they cannot "
+                     "exceed the number of peers)"]
+    cfg = load_config(tmp_path / "o" / "config.yaml")
+    assert (cfg.data.num_clients, cfg.server.concurrency, cfg.server.buffer_size) == (4, 4, 4)
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["num_peers"] == 4
+    if kind == "ledger":
+        assert summary["buffer_size"] == 4 and summary["aggregate_blocks"] == 1
+
+
+@pytest.mark.parametrize("kind", ["ledger", "gossip"])
+@pytest.mark.parametrize("bad", [["--peers", "4", "--spawn", "5"], ["--virtual", "--spawn", "2"],
+                                 ["--peers", "4", "--store", "nosuchdb://x"]])
+def test_cli_bad_spawn_or_store_creates_nothing(kind, bad, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default output directory would be ./runs/...
+    for out in ([], ["--out", str(tmp_path / "o")]):
+        res = CliRunner().invoke(app, [kind, "run", *bad, *out])
+        assert res.exit_code == 2, res.output
+        assert ("--spawn" if "--spawn" in bad else "--store") in res.output
+        assert len(res.output.strip().splitlines()) == 1
+        assert not (tmp_path / "o").exists() and not (tmp_path / "runs").exists()
 
 
 def test_dp_ledger_peers_stay_within_budget_and_the_chain_verifies(tmp_path):
@@ -368,4 +613,4 @@ def test_dp_ledger_peers_stay_within_budget_and_the_chain_verifies(tmp_path):
     assert sorted(eps) == list(range(6))
     assert all(0 < eps[p] <= budgets[p].epsilon for p in range(6))
     assert eps[0] <= 3.0 < eps[5]
-    assert F.verify_chain(store, s["run_id"]).ok
+    assert verify_chain(store, s["run_id"]).ok

@@ -14,8 +14,10 @@ from fedasync.cli import app
 from fedasync.config import load_config
 from fedasync.privacy.budgets import resolve_budgets
 from fedasync.serverless import gossip as G
-from fedasync.serverless.common import PeerTask, config_for_peers, run_info
+from fedasync.serverless.common import PeerTask, config_for_peers
+from fedasync.serverless.runs import run_info
 from fedasync.serverless.sim import simulate_gossip
+from fedasync.server.strategies import params_sha256
 from fedasync.store import Store
 from fedasync.store import schema as S
 from fedasync.store import serverless_schema as SS
@@ -50,29 +52,70 @@ def test_average_with_delta_and_consensus_distance():
     assert G.consensus_distance([a, a, a]) == 0.0
 
 
+def test_step_orders_paper_is_ad_psgd_and_symmetric_averages_after_the_update():
+    a = {"w": np.array([1.0, 3.0], np.float32)}
+    b = {"w": np.array([5.0, -1.0], np.float32)}
+    d = {"w": np.array([2.0, 0.0])}
+    # paper (AD-PSGD): x_j <- (x_i + x_j)/2 = [3, 1]; x_i <- (x_i + x_j)/2 + delta = [5, 1]
+    new_i, new_j = G.gossip_step(a, d, b, "paper")
+    assert new_i["w"].tolist() == [5.0, 1.0] and new_j["w"].tolist() == [3.0, 1.0]
+    assert new_i["w"].dtype == new_j["w"].dtype == np.float32
+    # symmetric: both ((x_i + delta) + x_j)/2 = [4, 1]
+    new_i, new_j = G.gossip_step(a, d, b, "symmetric")
+    assert new_i["w"].tolist() == new_j["w"].tolist() == [4.0, 1.0]
+    with pytest.raises(ValueError, match="gossip.step_order"):
+        G.gossip_step(a, d, b, "zigzag")
+
+
+@pytest.mark.parametrize("order", G.STEP_ORDERS)
+def test_both_step_orders_keep_the_network_mean(order):
+    """Each step adds exactly delta_i / N to the mean of all models, whichever order; they differ
+    in where delta lands, hence in consensus distance."""
+    rng = np.random.default_rng(7)
+    n = 5
+    models = [{"w": rng.normal(size=(3, 4)), "b": rng.normal(size=4)} for _ in range(n)]
+    mean0 = G.mean_params(models)
+    total = {k: np.zeros_like(v) for k, v in mean0.items()}
+    for step in range(40):
+        i, j = rng.choice(n, size=2, replace=False)
+        d = {k: rng.normal(scale=0.1, size=np.shape(v)) for k, v in models[i].items()}
+        models[i], models[j] = G.gossip_step(models[i], d, models[j], order)
+        for k in total:
+            total[k] += d[k]
+    mean1 = G.mean_params(models)
+    for k in mean0:
+        assert np.allclose(mean1[k], mean0[k] + total[k] / n, atol=1e-12), k
+
+
 # -- one averaging step, and many at once --------------------------------------------------------
 
 
-def _gossip_run(url, n=6, topology="ring", **kw):
-    cfg = small_config(f"data.num_clients={n}", f"server.concurrency={min(5, n)}")
+def _gossip_run(url, n=6, topology="ring", order="paper"):
+    cfg = small_config(f"data.num_clients={n}", f"server.concurrency={min(5, n)}", f"gossip.step_order={order}")
     store = Store(url)
     task = PeerTask(cfg)
     run_id = G.create_gossip(store, cfg, topology, 2, "wall", {}, task.init)
     return cfg, store, task, run_id
 
 
-def test_finish_step_averages_both_rows_in_one_transaction(tmp_path):
-    cfg, store, task, run_id = _gossip_run(f"sqlite:///{tmp_path / 'g.db'}")
+@pytest.mark.parametrize("order", G.STEP_ORDERS)
+def test_finish_step_updates_both_rows_in_one_transaction(order, tmp_path):
+    cfg, store, task, run_id = _gossip_run(f"sqlite:///{tmp_path / 'g.db'}", order=order)
     nb = run_info(store, run_id).settings["neighbours"]
-    p = G.GossipPeer(store, run_id, 2, task, nb[2], cfg.seed)
+    assert run_info(store, run_id).settings["step_order"] == order
+    p = G.GossipPeer(store, run_id, 2, task, nb[2], cfg.seed, step_order=cfg.gossip.step_order)
     st = p.start_step(0)
     j = p.neighbour(0)
     assert j in (1, 3)
     ev = p.finish_step(st, virtual_time=1.25)
     models, info = G.snapshot(store, run_id)
-    expect = G.average_with_delta(task.init, st.delta, task.init)
-    for k in expect:
-        assert np.array_equal(models[2][k], expect[k]) and np.array_equal(models[j][k], expect[k])
+    expect_i, expect_j = G.gossip_step(task.init, st.delta, task.init, order)
+    if order == "paper":  # both rows held the initial model: x_j stays, x_i = x_0 + delta
+        assert all(np.array_equal(expect_j[k], task.init[k]) for k in task.init)
+        assert all(np.allclose(expect_i[k], task.init[k] + st.delta[k], atol=1e-6) for k in task.init)
+    for k in task.init:
+        assert np.array_equal(models[2][k], expect_i[k]) and np.array_equal(models[j][k], expect_j[k])
+    assert ev["sha256"] == params_sha256(models[2])
     untouched = [i for i in range(6) if i not in (2, j)]
     assert all(np.array_equal(models[i][k], task.init[k]) for i in untouched for k in task.init)
     assert [r["version"] for r in info] == [1 if i in (2, j) else 0 for i in range(6)]
@@ -81,13 +124,14 @@ def test_finish_step_averages_both_rows_in_one_transaction(tmp_path):
     assert G.event_count(store, run_id) == 1
 
 
+@pytest.mark.parametrize("order", G.STEP_ORDERS)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_concurrent_averaging_loses_no_update(backend, tmp_path):
+def test_concurrent_averaging_loses_no_update(backend, order, tmp_path):
     """Eight writers (own engines) average at once on a complete graph. Each step adds its delta to
-    the sum of all models, so sum(final) = sum(initial) + sum(deltas) unless a step was lost or
-    interleaved; and each row's version counts exactly the steps that touched it."""
+    the sum of all models (either step order), so sum(final) = sum(initial) + sum(deltas) unless a
+    step was lost or interleaved; and each row's version counts exactly the steps that touched it."""
     url = store_url(backend, tmp_path)
-    cfg, store, task, run_id = _gossip_run(url, n=8, topology="complete")
+    cfg, store, task, run_id = _gossip_run(url, n=8, topology="complete", order=order)
     nb = run_info(store, run_id).settings["neighbours"]
     rng = np.random.default_rng(0)
     deltas = {i: [{k: rng.normal(size=v.shape) for k, v in task.init.items()} for _ in range(6)] for i in range(8)}
@@ -96,7 +140,7 @@ def test_concurrent_averaging_loses_no_update(backend, tmp_path):
 
     def peer(i):
         try:
-            p = G.GossipPeer(Store(url), run_id, i, task, nb[i], cfg.seed)
+            p = G.GossipPeer(Store(url), run_id, i, task, nb[i], cfg.seed, step_order=order)
             barrier.wait()
             for step, d in enumerate(deltas[i]):
                 p.finish_step(G.Step(step, p.task_id(step), 0, d, {}))
@@ -145,6 +189,11 @@ def test_simulated_gossip_is_deterministic_and_records_metrics(tmp_path):
         assert s.scalar(select(func.count()).select_from(SS.GossipMetric)) == len(a["history"])
     c = simulate_gossip(cfg, Store(f"sqlite:///{tmp_path / 'c.db'}"), "ring", max_steps=4, eval_every=6)
     assert c["model_sha256"] != a["model_sha256"]
+    assert a["step_order"] == "paper"
+    sym = simulate_gossip(small_config(*GOSSIP, "gossip.step_order=symmetric"),
+                          Store(f"sqlite:///{tmp_path / 'd.db'}"), "exponential", max_steps=4, eval_every=6)
+    assert sym["step_order"] == "symmetric" and sym["model_sha256"] != a["model_sha256"]
+    assert sym["averaging_events"] == a["averaging_events"] == 24
 
 
 def test_quickstart_ring_of_16_reaches_90_percent_and_consensus_distance_falls(tmp_path):
@@ -191,8 +240,8 @@ def test_dp_peers_stay_within_their_budgets(tmp_path):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gossip_peer_processes_run_and_are_stopped(backend, tmp_path):
-    from fedasync.serverless.common import peers as peer_rows
     from fedasync.serverless.runner import run_gossip
+    from fedasync.serverless.runs import peers as peer_rows
 
     url = store_url(backend, tmp_path)
     cfg = small_config("data.num_clients=4", "server.concurrency=4", "train.local_steps=2",
@@ -231,6 +280,10 @@ def test_cli_gossip_virtual_run_and_errors(tmp_path):
     assert header == "events,time_s,accuracy,loss,min_accuracy,max_accuracy,consensus_distance"
     res = runner.invoke(app, ["gossip", "run", "--virtual", "--topology", "star", "--out", str(tmp_path / "p")])
     assert res.exit_code == 2 and "--topology: 'star' is not one of" in res.output
+    assert not (tmp_path / "p").exists()
+    res = runner.invoke(app, ["gossip", "run", "--virtual", "--set", "gossip.step_order=zigzag",
+                              "--out", str(tmp_path / "p")])
+    assert res.exit_code == 2 and res.output.startswith("error: gossip.step_order:") and not (tmp_path / "p").exists()
     res = runner.invoke(app, ["gossip", "peer", "--store", f"sqlite:///{tmp_path / 'o' / 'fedasync.db'}",
                               "--peer-id", "0"])
     assert res.exit_code == 2 and "no starting or running gossip run" in res.output

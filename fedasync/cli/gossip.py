@@ -55,11 +55,13 @@ def run(
     spawn: Optional[int] = typer.Option(None, "--spawn", min=0, help="Start only peers 0..M-1 here (default: all); "
                                         "the others join from other machines with `peer --run-id`."),
 ) -> None:
-    """Start N gossip peers; report the average model's accuracy, min/max peer accuracy and consensus distance."""
-    from fedasync.serverless.common import open_store
+    """Start N gossip peers; report the average model's accuracy, min/max peer accuracy and consensus distance.
 
-    cfg, out = prepare(config, set_, peers, out, time_budget, virtual, "gossip")
-    _check_topology(topology, degree, cfg.data.num_clients, cfg.seed)
+    The step order is the config's gossip.step_order (paper: AD-PSGD; symmetric)."""
+    from fedasync.serverless.runs import open_store
+
+    cfg, out = prepare(config, set_, peers, out, time_budget, virtual, "gossip", spawn, store,
+                       lambda cfg: _check_topology(topology, degree, cfg.data.num_clients, cfg.seed))
     url = default_store(store, out)
     quiet_flower(False)
     t0 = time.time()
@@ -81,7 +83,7 @@ def run(
             ("min / max peer accuracy", f"{summary['final_min_peer_accuracy']:.4f} / "
                                         f"{summary['final_max_peer_accuracy']:.4f}"),
             ("consensus distance final (max)", f"{cd['final']:.4g} ({cd['max']:.4g})"),
-            ("spectral gap", f"{summary['spectral_gap']:.4g}")]
+            ("spectral gap", f"{summary['spectral_gap']:.4g}"), ("step order", summary["step_order"])]
     if summary.get("privacy"):
         p = summary["privacy"]
         rows.append(("ε max / budget", f"{p['epsilon_max']:.3f} / {p.get('epsilon_budget')}"))
@@ -100,8 +102,8 @@ def peer(
     emulate_speeds: bool = typer.Option(False, "--emulate-speeds", help="Sleep per this peer's speed profile."),
 ) -> None:
     """Run one gossip peer against a shared store until the run stops."""
-    from fedasync.serverless.common import find_run, open_store
     from fedasync.serverless.runner import gossip_peer_loop
+    from fedasync.serverless.runs import find_run, open_store
 
     given = load_or_exit(config, set_) if config else None
     with user_errors():

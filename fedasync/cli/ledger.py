@@ -21,6 +21,7 @@ def register(app: typer.Typer) -> None:
     group.command("peer")(peer)
     group.command("verify")(verify)
     group.command("show")(show)
+    group.command("member")(member)
     app.add_typer(group, name="ledger")
 
 
@@ -44,11 +45,21 @@ def run(
                                  "(the same peer code, driven by the simulator)."),
     spawn: Optional[int] = typer.Option(None, "--spawn", min=0, help="Start only peers 0..M-1 here (default: all); "
                                         "the others join from other machines with `peer --run-id`."),
+    peer_keys: Optional[Path] = typer.Option(None, "--peer-keys", help="Directory of peer-<i>.pub: the public keys "
+                                             "of the peers that join from elsewhere, pinned in the genesis block."),
 ) -> None:
-    """Start N peer processes appending to one ledger; stop at the target, the time budget or --max-steps."""
-    from fedasync.serverless.common import open_store
+    """Start N peer processes appending to one ledger; stop at the target, the time budget or --max-steps.
 
-    cfg, out = prepare(config, set_, peers, out, time_budget, virtual, "ledger")
+    The genesis block pins the members (peer id, public key); the run's authority key is
+    <out>/keys/genesis.key (it alone can admit or remove peers: `fedasync ledger member`)."""
+    from fedasync.serverless.runs import open_store
+
+    def check(cfg) -> None:
+        if peer_keys is not None and (virtual or not peer_keys.is_dir()):
+            fail(f"--peer-keys: {peer_keys} is not a directory" if not virtual else
+                 "--peer-keys: for peer processes, not --virtual")
+
+    cfg, out = prepare(config, set_, peers, out, time_budget, virtual, "ledger", spawn, store, check)
     url = default_store(store, out)
     quiet_flower(False)
     t0 = time.time()
@@ -62,9 +73,9 @@ def run(
             from fedasync.serverless.runner import run_ledger
 
             summary = run_ledger(cfg, url, cfg.data.num_clients, out, max_steps=max_steps, emulate=emulate_speeds,
-                                 progress=bar, spawn_peers=spawn)
+                                 progress=bar, spawn_peers=spawn, peer_keys=peer_keys)
     rows = [("aggregate blocks", str(summary["aggregate_blocks"])), ("update blocks", str(summary["update_blocks"])),
-            ("pending", str(summary["pending"])), ("height conflicts (retried)", str(summary["height_conflicts"])),
+            ("pending", str(summary["pending"])), ("rejected blocks", str(summary["rejected_blocks"])), ("height conflicts (retried)", str(summary["height_conflicts"])),
             ("head", summary["head_hash"][:16])]
     if summary.get("peer_exit_codes") and any(c not in (0, None) for c in summary["peer_exit_codes"]):
         rows.append(("peer exit codes", str(summary["peer_exit_codes"])))
@@ -84,8 +95,8 @@ def peer(
     set_: list[str] = typer.Option([], "--set", help="Override a key of CONFIG (repeatable)."),
     emulate_speeds: bool = typer.Option(False, "--emulate-speeds", help="Sleep per this peer's speed profile."),
 ) -> None:
-    """Run one ledger peer against a shared store until the run stops."""
-    from fedasync.serverless.common import find_run, open_store
+    """Run one ledger peer against a shared store until the run stops (its key must be a member's)."""
+    from fedasync.serverless.runs import find_run, open_store
     from fedasync.serverless.runner import ledger_peer_loop
 
     given = load_or_exit(config, set_) if config else None
@@ -101,9 +112,10 @@ def verify(
     store: str = typer.Option("sqlite:///fedasync.db", "--store", help=STORE_HELP),
     run_id: Optional[int] = typer.Option(None, "--run-id", help="The ledger run (default: the newest)."),
 ) -> None:
-    """Re-check every hash link, signature and payload hash, and recompute every aggregate; exit 1 on the first bad block."""
-    from fedasync.serverless.common import find_run, open_store
-    from fedasync.serverless.flchain import verify_chain
+    """Re-check every hash link, signature, signer and payload hash, and recompute every aggregate; exit 1 on the
+    first bad block."""
+    from fedasync.serverless.ledger_verify import verify_chain
+    from fedasync.serverless.runs import find_run, open_store
 
     with user_errors():
         st = open_store(store, must_exist=True)
@@ -121,9 +133,10 @@ def show(
     run_id: Optional[int] = typer.Option(None, "--run-id", help="The ledger run (default: the newest)."),
     all_models: bool = typer.Option(False, "--all", help="List every model block, not only the evaluated ones."),
 ) -> None:
-    """The chain's head, counts per kind, per-peer contributions and the accuracy of each evaluated model block."""
-    from fedasync.serverless.common import find_run, open_store, run_info
-    from fedasync.serverless.flchain import chain_overview
+    """The chain's head, counts per kind, members and their contributions, rejected blocks, and the accuracy of each
+    evaluated model block."""
+    from fedasync.serverless.report import chain_overview
+    from fedasync.serverless.runs import find_run, open_store, run_info
 
     with user_errors():
         st = open_store(store, must_exist=True)
@@ -132,18 +145,24 @@ def show(
         info = run_info(st, rid)
     c = ov["counts"]
     console.print(f"[bold]ledger of run {rid}[/bold] ({info.status}, {info.clock} clock): height {ov['height']}, "
-                  f"head {ov['head_kind']} {ov['head_hash'][:16]}; blocks: genesis {c['genesis']}, update "
-                  f"{c['update']}, aggregate {c['aggregate']}; {ov['pending']} update(s) pending", highlight=False)
+                  f"head {ov['head_kind']} {ov['head_hash'][:16]}; blocks: genesis {c['genesis']}, member {c['member']}, "
+                  f"update {c['update']}, aggregate {c['aggregate']}; {ov['pending']} update(s) pending",
+                  highlight=False)
     r = ov["rule"]
     console.print(f"rule: fedbuff K={r['buffer_size']} server_lr={r['server_lr']} staleness={r['staleness']['fn']}"
                   f"(a={r['staleness']['a']}, b={r['staleness']['b']}) weighting={r['weighting']} "
                   f"max_aggregates={r['max_aggregates']}", highlight=False)
+    if not ov["pinned"]:
+        console.print("[red]the genesis block pins no signers (a chain from an older fedasync)[/red]")
     t = Table(title="per-peer contributions")
-    for col in ("peer", "key", "update blocks", "aggregate blocks"):
+    for col in ("peer", "key", "member", "update blocks", "aggregate blocks"):
         t.add_column(col, justify="right" if col != "key" else "left")
     for p, d in sorted(ov["peers"].items(), key=lambda kv: (len(kv[0]), kv[0])):
-        t.add_row(p, d["key"], str(d["update"]), str(d["aggregate"]))
+        t.add_row(p, d["key"], "yes" if p.isdigit() and int(p) in ov["members"] else "no", str(d["update"]),
+                  str(d["aggregate"]))
     console.print(t)
+    for r in ov["rejected"]:
+        console.print(f"[red]rejected[/red] block at height {r['height']} ({r['kind']}): {r['why']}", highlight=False)
     m = Table(title="model blocks" + ("" if all_models else " (evaluated)"))
     for col in ("model", "height", "updates", "created (s after start)", "accuracy", "loss"):
         m.add_column(col, justify="right")
@@ -154,3 +173,32 @@ def show(
         m.add_row(str(row["model_index"]), str(row["height"]), str(row["updates"]), f"{row['created'] - t0:+.2f}s",
                   fmt4(row["accuracy"]), fmt4(row["loss"]))
     console.print(m)
+
+
+def member(
+    action: str = typer.Argument(..., help="add | remove"),
+    store: str = typer.Option(..., "--store", help=STORE_HELP),
+    peer_id: int = typer.Option(..., "--peer-id", help="The peer id to admit or remove."),
+    authority: Path = typer.Option(..., "--authority", help="The run's authority key (PEM), the key that signed "
+                                   "the genesis block: <out>/keys/genesis.key of `ledger run`."),
+    public_key: Optional[Path] = typer.Option(None, "--public-key", help="add: the peer's public key file (PEM, "
+                                              "e.g. peer-<ID>.pub next to its --key)."),
+    run_id: Optional[int] = typer.Option(None, "--run-id", help="The ledger run (default: the newest)."),
+) -> None:
+    """Admit a peer (its id and public key) or remove one: a member block signed by the run's authority key."""
+    from fedasync.serverless.flchain import append_member, key_hex
+    from fedasync.serverless.runs import find_run, open_store
+    from fedasync.signing import load_private_key, load_public_key
+
+    if action not in ("add", "remove"):
+        fail(f"ACTION: {action!r} is not add or remove")
+    if (action == "add") != (public_key is not None):
+        fail("--public-key: needed to add a peer (and only then)")
+    with user_errors():
+        key = load_private_key(authority)
+        pub = load_public_key(public_key) if public_key is not None else None
+        st = open_store(store, must_exist=True)
+        rid = find_run(st, "ledger", run_id)
+        height = append_member(st, rid, key, action, peer_id, pub)
+    what = f"admitted peer {peer_id} (key {key_hex(pub)[:16]})" if pub is not None else f"removed peer {peer_id}"
+    console.print(f"{what} in run {rid}: member block at height {height}", highlight=False)

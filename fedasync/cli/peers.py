@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from rich.table import Table
 
@@ -31,35 +31,45 @@ def user_errors() -> Iterator[None]:
 
 
 def prepare(config: Optional[str], set_: list[str], peers: Optional[int], out: Optional[Path],
-            time_budget: Optional[float], virtual: bool, kind: str):
-    """The config for N peers, and the output directory (new, empty)."""
+            time_budget: Optional[float], virtual: bool, kind: str, spawn: Optional[int] = None,
+            store: Optional[str] = None, check: Optional[Callable] = None):
+    """The config for N peers, and the output directory (new, empty), created only once every
+    input has been checked (``check(cfg)``: the command's own checks)."""
     from fedasync.config import ConfigError, apply_overrides, config_from_dict, packaged_example, read_yaml
     from fedasync.outputs import new_run_dir
-    from fedasync.serverless.common import config_for_peers
+    from fedasync.serverless.common import cap_for_peers
 
-    # server.concurrency means nothing without a server, and server.buffer_size means nothing to
-    # gossip: cap them at the number of peers before validating (so `--set data.num_clients=6` works)
+    # server.concurrency means nothing without a server and server.buffer_size cannot exceed the
+    # number of peers: cap both before validating (so `--peers 4` works with the quickstart)
+    with user_errors():
+        raw, capped = cap_for_peers(apply_overrides(read_yaml(config or packaged_example("quickstart")), set_),
+                                    peers)
     try:
-        raw = apply_overrides(read_yaml(config or packaged_example("quickstart")), set_)
-        data, srv = raw.get("data"), raw.get("server")
-        n = peers or (data.get("num_clients", 100) if isinstance(data, dict) else None)
-        if isinstance(n, int) and isinstance(srv, dict):
-            caps = {"concurrency": 20, "buffer_size": 10} if kind == "gossip" else {"concurrency": 20}
-            for key, default in caps.items():
-                if isinstance(srv.get(key, default), int):
-                    srv[key] = min(srv.get(key, default), n)
         cfg = config_from_dict(raw)
     except ConfigError as e:
         fail(str(e))
-    with user_errors():
-        cfg = config_for_peers(cfg, peers, kind)
     if time_budget is not None:
         if time_budget <= 0:
             fail(f"--time-budget: must be > 0, got {time_budget}")
         key = "max_virtual_time" if virtual else "max_wall_time"
         cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={key: float(time_budget)})})
-    if out is not None and out.exists() and any(out.iterdir()):
-        fail(f"--out: {out} exists and is not empty")
+    n = cfg.data.num_clients
+    if spawn is not None:
+        if virtual:
+            fail("--spawn: starts peer processes, which --virtual does not use")
+        if not 0 <= spawn <= n:
+            fail(f"--spawn: must be in 0..{n} (the number of peers), got {spawn}")
+    if check is not None:
+        check(cfg)
+    if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())):
+        fail(f"--out: {out} exists and is not an empty directory")
+    if store is not None:
+        from fedasync.serverless.runs import open_store
+
+        with user_errors():
+            open_store(store).close()
+    if capped:
+        console.print(f"note: {capped} (they cannot exceed the number of peers)", highlight=False, soft_wrap=True)
     if out is None:
         out = new_run_dir(Path("runs"), f"{cfg.name}-{kind}")
     out.mkdir(parents=True, exist_ok=True)
@@ -114,7 +124,7 @@ def default_store(store: Optional[str], out: Path) -> str:
 
 def write_and_print(out: Path, cfg, summary: dict, columns: list[str], extra_plot: str | None, title: str,
                     rows: list[tuple[str, str]]) -> None:
-    from fedasync.serverless.common import write_outputs
+    from fedasync.serverless.report import write_outputs
 
     paths = write_outputs(out, cfg, summary, columns, extra_plot)
     console.print(summary_table(summary, title, rows))

@@ -9,17 +9,27 @@ same initial model). A peer loops:
 3. pick a neighbour ``j`` uniformly from the topology (``np.random.default_rng([seed,
    0x676f7373, i, step])``);
 4. in **one transaction**, lock rows ``i`` and ``j`` in ``id`` order (``SELECT ... FOR UPDATE``
-   on PostgreSQL; ``BEGIN IMMEDIATE`` takes SQLite's write lock), and set **both** to
+   on PostgreSQL; ``BEGIN IMMEDIATE`` takes SQLite's write lock), update both rows as
+   ``gossip.step_order`` says, and record the event (``gossip_events``) in the same transaction.
+   ``x_i`` is the row as it is *now* (another peer may have averaged with ``i`` while it
+   trained): the update computed at the stale read ``x̂_i`` is applied to the current model.
+
+``gossip.step_order`` (:data:`STEP_ORDERS`, :func:`gossip_step`):
+
+- ``paper`` (default): **AD-PSGD** (Lian et al. 2018, Algorithm 1) and A(DP)²SGD: average first,
+  then apply the update to ``x_i`` only::
+
+       x_j  <-  (x_i + x_j) / 2
+       x_i  <-  (x_i + x_j) / 2 + Δ_i
+
+- ``symmetric``: apply the update, then average, both rows the same::
 
        x_i, x_j  <-  ((x_i + Δ_i) + x_j) / 2
 
-   where ``x_i`` is the row as it is *now* (another peer may have averaged with ``i`` while
-   it trained: AD-PSGD applies the update computed at the stale read ``x̂_i``); record the
-   event (``gossip_events``) in the same transaction.
-
-Arithmetic is float64, cast back to float32. The sum of all models grows by exactly ``Δ_i``
-per step (up to rounding), so the average model moves like SGD with step ``Δ_i / N``, while
-pairwise averaging pulls the peers together.
+Both keep the network mean: the sum of all models grows by exactly ``Δ_i`` per step (up to
+rounding), so the average model moves like SGD with step ``Δ_i / N``. They differ in where
+``Δ_i`` lands (all on ``x_i``, or half on each) and so in consensus. Arithmetic is float64,
+cast back to float32.
 
 Reported over time (``gossip_metrics``, ``summary.json``): the accuracy of the average model
 ``x̄ = mean_i x_i``, the min and max peer accuracy, and the **consensus distance**
@@ -36,13 +46,8 @@ from sqlalchemy import select, update
 
 from fedasync.config import Config
 from fedasync.server.strategies import params_sha256
-from fedasync.serverless.common import (
-    PeerTask,
-    create_run,
-    finite,
-    write_privacy,
-    write_transaction,
-)
+from fedasync.serverless.common import PeerTask, finite, write_privacy
+from fedasync.serverless.runs import create_run, write_transaction
 from fedasync.serverless.topology import neighbours
 from fedasync.store import Store, decode_params, encode_params
 from fedasync.store import schema as S
@@ -50,6 +55,7 @@ from fedasync.store import serverless_schema as SS
 
 Params = dict[str, np.ndarray]
 _NEIGHBOUR_STREAM = 0x676F7373  # "goss"
+STEP_ORDERS = ("paper", "symmetric")
 
 
 # -- parameter math ----------------------------------------------------------------------------
@@ -71,6 +77,26 @@ def average_with_delta(own: Params, delta: dict[str, np.ndarray], other: Params)
         a = np.asarray(v, np.float64) + delta[k]
         out[k] = ((a + np.asarray(other[k], np.float64)) / 2.0).astype(np.asarray(v).dtype)
     return out
+
+
+def gossip_step(own: Params, delta: dict[str, np.ndarray], other: Params,
+                order: str = "paper") -> tuple[Params, Params]:
+    """The new ``(x_i, x_j)`` of one step from the current rows (float64, cast to their dtypes).
+
+    ``paper`` (AD-PSGD): ``x_j = (x_i + x_j) / 2``, ``x_i = (x_i + x_j) / 2 + Δ_i``;
+    ``symmetric``: both ``((x_i + Δ_i) + x_j) / 2``."""
+    if order == "symmetric":
+        avg = average_with_delta(own, delta, other)
+        return avg, avg
+    if order != "paper":
+        raise ValueError(f"gossip.step_order: {order!r} is not one of {', '.join(STEP_ORDERS)}")
+    new_i, new_j = {}, {}
+    for k, v in own.items():
+        dtype = np.asarray(v).dtype
+        mid = (np.asarray(v, np.float64) + np.asarray(other[k], np.float64)) / 2.0
+        new_j[k] = mid.astype(np.asarray(other[k]).dtype)
+        new_i[k] = (mid + delta[k]).astype(dtype)
+    return new_i, new_j
 
 
 def mean_params(models: list[Params]) -> Params:
@@ -100,7 +126,7 @@ def create_gossip(store: Store, cfg: Config, topology: str, degree: int, clock: 
                   init: Params) -> int:
     """A gossip run: its rows, and one model row per peer (ids ascending with peer ids)."""
     nb = neighbours(topology, cfg.data.num_clients, cfg.seed, degree)
-    settings = dict(settings, topology=topology, degree=degree, neighbours=nb)
+    settings = dict(settings, topology=topology, degree=degree, neighbours=nb, step_order=cfg.gossip.step_order)
     run_id = create_run(store, cfg, "gossip", f"gossip-{topology}", settings, clock, topology=topology)
     blob, sha, now = encode_params(init), params_sha256(init), time.time()
     with store.session() as s:
@@ -181,9 +207,12 @@ class GossipPeer:
     by the virtual-clock simulator (:mod:`fedasync.serverless.sim`)."""
 
     def __init__(self, store: Store, run_id: int, peer_id: int, task: PeerTask, nb: list[int], seed: int,
-                 privacy=None, emulate: bool = False):
+                 privacy=None, emulate: bool = False, step_order: str = "paper"):
         if not nb:
             raise ValueError(f"peer {peer_id} has no neighbours")
+        if step_order not in STEP_ORDERS:
+            raise ValueError(f"gossip.step_order: {step_order!r} is not one of {', '.join(STEP_ORDERS)}")
+        self.step_order = step_order
         self.store = store
         self.run_id = run_id
         self.peer_id = peer_id
@@ -238,11 +267,13 @@ class GossipPeer:
                                   .order_by(SS.GossipModel.id).with_for_update()))
             by_peer = {r.peer_id: r for r in rows}
             me, other = by_peer[i], by_peer[j]
-            avg = average_with_delta(decode_params(me.params), st.delta, decode_params(other.params))
-            blob, sha, now = encode_params(avg), params_sha256(avg), time.time()
-            for r in (me, other):
-                r.params, r.sha256, r.version = blob, sha, r.version + 1
+            new_i, new_j = gossip_step(decode_params(me.params), st.delta, decode_params(other.params),
+                                       self.step_order)
+            now = time.time()
+            for r, new in ((me, new_i), (other, new_j)):
+                r.params, r.sha256, r.version = encode_params(new), params_sha256(new), r.version + 1
                 r.updated_virtual, r.updated_wall = float(virtual_time), now
+            sha = me.sha256
             me.steps = st.step + 1
             eps = finite(st.metrics.get("epsilon"))
             if eps is not None:

@@ -25,11 +25,10 @@ from pathlib import Path
 from typing import Callable
 
 from fedasync.config import Config
-from fedasync.serverless.common import (
-    PeerPrivacy,
-    PeerTask,
-    ServerlessError,
-    check_serverless,
+from fedasync.serverless.common import PeerPrivacy, PeerTask, ServerlessError, cap_for_peers, check_serverless
+from fedasync.serverless.processes import spawn, stop_processes
+from fedasync.serverless.report import gossip_summary, ledger_summary, record_eval
+from fedasync.serverless.runs import (
     close_peer,
     open_store,
     peers as peer_rows,
@@ -38,10 +37,8 @@ from fedasync.serverless.common import (
     run_info,
     run_status,
     set_starting,
-    spawn,
     start_run,
     started_at,
-    stop_processes,
     stop_run,
     wait_for_start,
 )
@@ -76,9 +73,8 @@ def peer_config(store: Store, run_id: int, given: Config | None) -> Config:
     cfg = config_from_dict(yaml.safe_load(info.config_yaml))
     if given is not None:
         a, b = cfg.model_dump(mode="json"), given.model_dump(mode="json")
-        b["data"]["num_clients"] = a["data"]["num_clients"]
-        b["server"]["concurrency"] = a["server"]["concurrency"]
-        for sec in ("seed", "data", "model", "train", "server", "clock", "privacy"):
+        b, _ = cap_for_peers(b, a["data"]["num_clients"])
+        for sec in ("seed", "data", "model", "train", "server", "clock", "privacy", "gossip"):
             if a[sec] != b[sec]:
                 if isinstance(a[sec], dict):
                     key = next(k for k in a[sec] if a[sec][k] != b[sec].get(k))
@@ -146,11 +142,15 @@ def _peer_setup(store: Store, run_id: int, peer_id: int, given: Config | None):
 def ledger_peer_loop(store: Store, run_id: int, peer_id: int, key_path: Path, given: Config | None = None,
                      emulate: bool = False) -> dict:
     """One ledger peer until the run stops; its counts."""
-    from fedasync.serverless.flchain import LedgerPeer
+    from fedasync.serverless.flchain import ChainView, key_hex
+    from fedasync.serverless.ledger_peer import LedgerPeer, membership_error
     from fedasync.signing import public_raw
 
-    cfg, info, task, privacy = _peer_setup(store, run_id, peer_id, given)
     key = _key(key_path)
+    why = membership_error(ChainView(store, run_id), peer_id, key_hex(key))
+    if why:  # before loading anything
+        raise ServerlessError(f"{why}; its public key is {key_path.with_suffix('.pub')}")
+    cfg, info, task, privacy = _peer_setup(store, run_id, peer_id, given)
     peer = LedgerPeer(store, run_id, peer_id, key, task, privacy, emulate=emulate)
     task.train(peer_id, task.init, WARMUP_TASK)  # torch's first step costs seconds: not after the start
     register_peer(store, run_id, peer_id, public_raw(key).hex())
@@ -165,6 +165,9 @@ def ledger_peer_loop(store: Store, run_id: int, peer_id: int, key_path: Path, gi
                 break
             if peer.done():
                 reason = "max_steps"
+                break
+            if not peer.is_member():
+                reason = "removed_from_run"
                 break
             if max_wall is not None and time.time() - t0 >= max_wall:
                 reason = "max_wall_time"
@@ -186,27 +189,47 @@ def ledger_peer_loop(store: Store, run_id: int, peer_id: int, key_path: Path, gi
     return dict(stats, peer=peer_id, stop_reason=reason)
 
 
+def remote_peer_keys(directory: Path | None, first: int, peers: int) -> dict[int, object]:
+    """``peer-<i>.pub`` (PEM or raw) for the peers ``first..peers-1`` that join from elsewhere."""
+    from fedasync.signing import load_public_key
+
+    if directory is None:
+        return {}
+    if not directory.is_dir():
+        raise ServerlessError(f"--peer-keys: {directory} is not a directory")
+    found = {i: directory / f"peer-{i}.pub" for i in range(first, peers)}
+    return {i: load_public_key(p) for i, p in found.items() if p.exists()}
+
+
 def run_ledger(cfg: Config, store_url: str, peers: int, out: Path, max_steps: int | None = None,
                emulate: bool = False, progress: Progress | None = None, spawn_peers: int | None = None,
-               peer_grace_s: float = 30.0, start_timeout_s: float = 600.0) -> dict:
-    """``fedasync ledger run``: a new chain, peer processes, a monitor; the summary."""
-    from fedasync.serverless.flchain import ChainView, Rule, create_ledger, record_eval
-    from fedasync.serverless.sim import ledger_summary
+               peer_grace_s: float = 30.0, start_timeout_s: float = 600.0, peer_keys: Path | None = None) -> dict:
+    """``fedasync ledger run``: a new chain, peer processes, a monitor; the summary.
+
+    The genesis block pins the members: the local peers' keys (``<out>/keys/peer-<i>.key``,
+    created here) and the ``peer-<i>.pub`` found in ``peer_keys`` for the others; a peer with no
+    key there must be admitted (``fedasync ledger member add``, signed by ``<out>/keys/genesis.key``)
+    before it joins."""
+    from fedasync.serverless.flchain import ChainView, Rule, create_ledger
 
     check_serverless(cfg, "ledger")
     n_local = _local_peers(cfg, peers, spawn_peers)
+    remote = remote_peer_keys(peer_keys, n_local, peers)
     progress = progress or (lambda ev: None)
     store = open_store(store_url)
     max_aggr = max_steps if max_steps is not None else cfg.server.max_versions
     out.mkdir(parents=True, exist_ok=True)
     keys = out / "keys"
+    members = {i: _key(keys / f"peer-{i}.key") for i in range(n_local)}
+    members.update(remote)
+    task = PeerTask(cfg)
     t_wall0 = time.time()
     run_id = create_ledger(store, cfg, Rule.from_config(cfg, max_aggr), _key(keys / "genesis.key"), "wall",
-                           t_wall0, settings={"max_steps": max_aggr, "max_wall_time": cfg.server.max_wall_time,
-                                              "emulate": emulate})
+                           t_wall0, members=members, init=task.init,
+                           settings={"max_steps": max_aggr, "max_wall_time": cfg.server.max_wall_time,
+                                     "emulate": emulate})
     set_starting(store, run_id)
     (out / "config.yaml").write_text(cfg.to_yaml())
-    task = PeerTask(cfg)
     view = ChainView(store, run_id)
     view.refresh()
     history: list[dict] = []
@@ -292,7 +315,7 @@ def gossip_peer_loop(store: Store, run_id: int, peer_id: int, given: Config | No
 
     cfg, info, task, privacy = _peer_setup(store, run_id, peer_id, given)
     peer = GossipPeer(store, run_id, peer_id, task, info.settings["neighbours"][peer_id], cfg.seed, privacy,
-                      emulate=emulate)
+                      emulate=emulate, step_order=info.settings.get("step_order", cfg.gossip.step_order))
     peer.resume()
     task.train(peer_id, task.init, WARMUP_TASK)  # warm up torch before the start
     register_peer(store, run_id, peer_id)
@@ -334,7 +357,6 @@ def run_gossip(cfg: Config, store_url: str, peers: int, out: Path, topology: str
                start_timeout_s: float = 600.0) -> dict:
     """``fedasync gossip run``: a new run, peer processes, a monitor; the summary."""
     from fedasync.serverless.gossip import create_gossip, event_count, measure
-    from fedasync.serverless.sim import gossip_summary
 
     check_serverless(cfg, "gossip")
     n_local = _local_peers(cfg, peers, spawn_peers)

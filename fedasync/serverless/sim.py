@@ -30,13 +30,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
-
 from fedasync.config import Config
 from fedasync.server.clock import VirtualClock
 from fedasync.server.scheduler import make_scheduler
-from fedasync.server.strategies import params_sha256
-from fedasync.serverless.common import PeerPrivacy, PeerTask, check_serverless, stats, stop_run
+from fedasync.serverless.common import PeerPrivacy, PeerTask, check_serverless
+from fedasync.serverless.report import gossip_summary, ledger_summary, record_eval
+from fedasync.serverless.runs import run_info, stop_run
 from fedasync.store import Store
 
 Progress = Callable[[dict], None]
@@ -64,7 +63,8 @@ class _Live:
 def simulate_ledger(cfg: Config, store: Store, max_steps: int | None = None, progress: Progress | None = None,
                     stop_at_target: bool = True) -> dict:
     """Run the ledger with ``data.num_clients`` peers on the virtual clock; the summary."""
-    from fedasync.serverless.flchain import LedgerPeer, Rule, create_ledger, record_eval, simulation_key
+    from fedasync.serverless.flchain import Rule, create_ledger, simulation_key
+    from fedasync.serverless.ledger_peer import LedgerPeer
 
     check_serverless(cfg, "ledger")
     t_wall0 = time.time()
@@ -72,10 +72,12 @@ def simulate_ledger(cfg: Config, store: Store, max_steps: int | None = None, pro
     max_aggr = max_steps if max_steps is not None else cfg.server.max_versions
     rule = Rule.from_config(cfg, max_aggregates=max_aggr)
     task = PeerTask(cfg)
+    keys = [simulation_key(cfg.seed, f"peer-{i}") for i in range(n)]
     run_id = create_ledger(store, cfg, rule, simulation_key(cfg.seed, "genesis"), clock="virtual", created=0.0,
-                           settings={"max_steps": max_aggr}, nonce=f"simulation-seed-{cfg.seed}")
+                           members=dict(enumerate(keys)), settings={"max_steps": max_aggr},
+                           nonce=f"simulation-seed-{cfg.seed}", init=task.init)
     privacy = _privacy(cfg, store, run_id)
-    peers = [LedgerPeer(store, run_id, i, simulation_key(cfg.seed, f"peer-{i}"), task, privacy) for i in range(n)]
+    peers = [LedgerPeer(store, run_id, i, keys[i], task, privacy) for i in range(n)]
     progress = progress or (lambda ev: None)
     sched = make_scheduler("uniform", cfg.seed)
     clock = VirtualClock()
@@ -152,38 +154,6 @@ def simulate_ledger(cfg: Config, store: Store, max_steps: int | None = None, pro
     return summary
 
 
-def ledger_summary(cfg: Config, store: Store, run_id: int, view, history: list[dict], time_to_target: float | None,
-                   stop_reason: str | None, clock: str, time_s: float, wall_s: float, conflicts: int = 0,
-                   privacy=None, extra: dict | None = None) -> dict:
-    view.refresh()
-    accs = [h["accuracy"] for h in history]
-    stal = [view.staleness(h) for h in view.arrival]
-    per_peer: dict[int, int] = {}
-    for b in view.blocks:
-        if b.kind == "update":
-            per_peer[int(b.meta.get("peer", -1))] = per_peer.get(int(b.meta.get("peer", -1)), 0) + 1
-    head_params = view.params(view.models[-1])
-    out = {
-        "run_id": run_id, "name": cfg.name, "strategy": "ledger-fedbuff", "mode": "ledger", "clock": clock,
-        "seed": cfg.seed, "num_clients": cfg.data.num_clients, "num_peers": cfg.data.num_clients,
-        "buffer_size": view.rule.buffer_size, "versions": view.num_aggregates, "blocks": len(view.blocks),
-        "update_blocks": len(view.arrival), "aggregate_blocks": view.num_aggregates, "pending": len(view.pending),
-        "updates_per_peer": {str(k): v for k, v in sorted(per_peer.items())}, "height_conflicts": conflicts,
-        "virtual_time_s": round(time_s, 6) if clock == "virtual" else None, "wall_time_s": round(wall_s, 3),
-        "final_accuracy": accs[-1] if accs else None, "best_accuracy": max(accs) if accs else None,
-        "target_accuracy": cfg.server.target_accuracy,
-        "time_to_target_s": None if time_to_target is None else round(time_to_target, 6),
-        "staleness": {k: v for k, v in stats(stal).items()},
-        "model_sha256": params_sha256(head_params), "head_hash": view.head.hash, "store_url": store.url,
-        "stop_reason": stop_reason, "history": history,
-    }
-    if privacy is not None:
-        out["privacy"] = privacy.summary()
-    if extra:
-        out.update(extra)
-    return out
-
-
 # -- gossip ------------------------------------------------------------------------------------
 
 
@@ -204,11 +174,10 @@ def simulate_gossip(cfg: Config, store: Store, topology: str = "ring", degree: i
     task = PeerTask(cfg)
     run_id = create_gossip(store, cfg, topology, degree, "virtual",
                            {"max_steps": max_steps, "eval_every": eval_every}, task.init)
-    from fedasync.serverless.common import run_info
-
     nb = run_info(store, run_id).settings["neighbours"]
     privacy = _privacy(cfg, store, run_id)
-    peers = [GossipPeer(store, run_id, i, task, nb[i], cfg.seed, privacy) for i in range(n)]
+    peers = [GossipPeer(store, run_id, i, task, nb[i], cfg.seed, privacy, step_order=cfg.gossip.step_order)
+             for i in range(n)]
     progress = progress or (lambda ev: None)
     clock = VirtualClock()
     heap: list[tuple[float, int]] = []
@@ -275,39 +244,3 @@ def simulate_gossip(cfg: Config, store: Store, topology: str = "ring", degree: i
                              clock.now, time.time() - t_wall0, last, privacy)
     stop_run(store, run_id, "finished", stop_reason, summary)
     return summary
-
-
-def gossip_summary(cfg: Config, store: Store, run_id: int, topology: str, degree: int, history: list[dict],
-                   time_to_target: float | None, stop_reason: str | None, clock: str, time_s: float, wall_s: float,
-                   last, privacy=None, extra: dict | None = None) -> dict:
-    from fedasync.serverless.gossip import snapshot
-    from fedasync.serverless.topology import neighbours, spectral_gap
-
-    _, info = snapshot(store, run_id)
-    accs = [h["accuracy"] for h in history]
-    cd = [h["consensus_distance"] for h in history]
-    steps = [r["steps"] for r in info]
-    out = {
-        "run_id": run_id, "name": cfg.name, "strategy": f"gossip-{topology}", "mode": "gossip", "clock": clock,
-        "topology": topology, "degree": degree if topology == "random-k" else None,
-        "spectral_gap": spectral_gap(neighbours(topology, cfg.data.num_clients, cfg.seed, degree)),
-        "seed": cfg.seed, "num_clients": cfg.data.num_clients, "num_peers": cfg.data.num_clients,
-        "versions": history[-1]["events"] if history else 0, "averaging_events": history[-1]["events"] if history else 0,
-        "steps_per_peer": {"min": min(steps), "max": max(steps), "mean": float(np.mean(steps))},
-        "virtual_time_s": round(time_s, 6) if clock == "virtual" else None, "wall_time_s": round(wall_s, 3),
-        "final_accuracy": accs[-1] if accs else None, "best_accuracy": max(accs) if accs else None,
-        "final_min_peer_accuracy": history[-1]["min_accuracy"] if history else None,
-        "final_max_peer_accuracy": history[-1]["max_accuracy"] if history else None,
-        "consensus_distance": {"final": cd[-1] if cd else None, "max": max(cd) if cd else None},
-        "target_accuracy": cfg.server.target_accuracy,
-        "time_to_target_s": None if time_to_target is None else round(time_to_target, 6),
-        "model_sha256": params_sha256(last.average) if last is not None else None,
-        "peers_exhausted": sum(1 for r in info if r["exhausted"]), "store_url": store.url,
-        "stop_reason": stop_reason, "history": history,
-    }
-    if privacy is not None:
-        out["privacy"] = privacy.summary()
-        out["privacy"]["epsilon_per_peer"] = {str(r["peer"]): r["epsilon"] for r in info}
-    if extra:
-        out.update(extra)
-    return out
