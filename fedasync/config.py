@@ -54,9 +54,65 @@ class TrainConfig(_Section):
 
 
 class StalenessConfig(_Section):
-    fn: Literal["constant", "polynomial", "hinge", "exponential"] = "polynomial"
+    # adaptive: min(1, server.concurrency / (s + 1)) (Mishchenko et al. 2022); ignores a and b
+    fn: Literal["constant", "polynomial", "hinge", "exponential", "adaptive"] = "polynomial"
     a: float = Field(0.5, ge=0)
     b: float = Field(4.0, ge=0)
+
+
+class SchedulerConfig(_Section):
+    """``server.scheduler``: which idle client gets the next task (``fedasync.server.scheduler``)."""
+
+    name: Literal["uniform", "fair", "fastest", "staleness_aware", "budget_aware"] = "uniform"
+    explore: float = Field(0.1, ge=0, le=1)  # fastest: share of choices made uniformly at random
+    beta: float = Field(1.0, ge=0)  # fastest: p proportional to (estimated speed) ** beta
+    balance: float = Field(1.0, ge=0)  # staleness_aware: cost of one dispatch above the least-used client
+
+
+class DelayCompensationConfig(_Section):
+    """``server.delay_compensation``: DC-ASGD (Zheng et al. 2017) on each update before aggregation."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_by_name=True,
+                              validate_by_alias=True, serialize_by_alias=True)
+
+    method: Literal["none", "dc_asgd"] = "none"
+    lambda_: float = Field(0.04, ge=0, alias="lambda")  # YAML key ``lambda`` (a Python keyword)
+
+
+class RobustConfig(_Section):
+    """``server.robust``: a Byzantine filter on every update and, for fedbuff, a robust buffer aggregator.
+
+    The defaults and the reasons for them are in :mod:`fedasync.server.robust`.
+    """
+
+    filter: Literal["none", "zeno++", "kardam", "norm"] = "none"
+    aggregator: Literal["mean", "median", "trimmed_mean", "centered_clip"] = "mean"
+    # zeno++: accept iff gamma <v, g> - rho ||g||^2 >= -gamma epsilon
+    refresh: int = Field(1, gt=0)  # versions between refreshes of the validation gradient v
+    validation_size: int = Field(128, gt=0)  # samples drawn from the training data for v
+    gamma: float = Field(1.0, gt=0)
+    rho: float = Field(1.0, ge=0)
+    epsilon: float = Field(0.5, ge=0)
+    normalize: bool = False  # rescale g to ||v|| first: a direction-only test
+    # kardam: accept iff the empirical Lipschitz coefficient is within the (N-f)/N quantile
+    byzantine_fraction: float = Field(0.04, ge=0, lt=1)  # f/N
+    dampening: float = Field(0.0, ge=0)  # update scaled by exp(-dampening * staleness)
+    # norm: reject (or clip) ||delta|| > norm_multiplier * median of recently accepted norms
+    norm_multiplier: float = Field(3.0, gt=1)
+    clip: bool = False
+    # kardam and norm: how many recent values the statistics use, and when they start to judge
+    window: int = Field(100, ge=1)
+    warmup: int = Field(10, ge=1)
+    # fedbuff aggregators
+    trim: float = Field(0.2, ge=0, lt=0.5)  # trimmed_mean: share cut from each end, per coordinate
+    cc_radius: float | None = Field(None, gt=0)  # centered_clip: tau; default: median distance to the start
+    cc_iters: int = Field(3, ge=1)  # centered_clip: clipping iterations
+
+    @model_validator(mode="after")
+    def _check(self) -> "RobustConfig":
+        if self.warmup > self.window:
+            raise ValueError(f"warmup: {self.warmup} is larger than window ({self.window})")
+        return self
 
 
 class ServerConfig(_Section):
@@ -72,6 +128,9 @@ class ServerConfig(_Section):
     backup_workers: int = Field(0, ge=0)  # b
     weighting: Literal["auto", "examples", "uniform"] = "auto"  # auto: fedavg examples, fedbuff uniform
     staleness: StalenessConfig = StalenessConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    delay_compensation: DelayCompensationConfig = DelayCompensationConfig()
+    robust: RobustConfig = RobustConfig()
     max_staleness: int | None = Field(None, ge=0)
     eval_every: int = Field(5, gt=0)
     max_versions: int | None = Field(None, gt=0)
@@ -186,6 +245,26 @@ class GossipConfig(_Section):
     step_order: Literal["paper", "symmetric"] = "paper"
 
 
+class AttackConfig(_Section):
+    """``attack``: simulated Byzantine clients (simulation only; ``fedasync server`` refuses it).
+
+    Which clients: ``clients`` ("0-19", "3,5,7") or a ``fraction`` of them drawn from the seed
+    (:func:`fedasync.clients.attack.attackers`). What they do: ``fedasync.clients.attack``.
+    """
+
+    kind: Literal["sign_flip", "scale", "gaussian", "label_flip", "stale"]
+    fraction: float | None = Field(None, gt=0, le=1)
+    clients: str | None = None
+    factor: float = Field(10.0, gt=0)  # sign_flip, scale, gaussian
+    lag: int = Field(20, gt=0)  # stale: how many versions old the attacker's model is
+
+    @model_validator(mode="after")
+    def _check(self) -> "AttackConfig":
+        if (self.fraction is None) == (self.clients is None):
+            raise ValueError("fraction: give exactly one of attack.fraction and attack.clients")
+        return self
+
+
 class Config(_Section):
     name: str = "fedasync"
     seed: int = 0
@@ -199,6 +278,7 @@ class Config(_Section):
     simulation: SimulationConfig = SimulationConfig()
     deploy: DeployConfig = DeployConfig()
     gossip: GossipConfig = GossipConfig()  # fedasync gossip only
+    attack: AttackConfig | None = None  # simulation only
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":
@@ -217,6 +297,17 @@ class Config(_Section):
                 )
         if self.data.dataset == "hub" and not self.data.hub_name:
             raise ValueError("data.hub_name: needed when data.dataset is hub")
+        if s.robust.aggregator != "mean":
+            if s.strategy != "fedbuff":
+                raise ValueError(f"server.robust.aggregator: {s.robust.aggregator} needs server.strategy fedbuff "
+                                 f"(got {s.strategy})")
+            if self.privacy.central_dp.enabled:
+                raise ValueError(f"server.robust.aggregator: {s.robust.aggregator} cannot be combined with "
+                                 "privacy.central_dp (its sensitivity is that of the mean)")
+        if s.delay_compensation.method != "none" and s.strategy == "fedavg":
+            raise ValueError("server.delay_compensation.method: applies to fedasync and fedbuff, not fedavg")
+        if self.attack is not None and self.attack.clients is not None:
+            parse_client_set(self.attack.clients, n, key="attack.clients")
         return self
 
     # -- helpers -----------------------------------------------------------------
@@ -318,8 +409,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config_from_dict(apply_overrides(raw, overrides or []))
 
 
-def parse_client_set(spec: str, num_clients: int | None = None) -> set[int]:
-    """'0-9', '3,5,7', '0-4,10' -> a set of client ids."""
+def check_no_attack(cfg: Config) -> None:
+    """Raise :class:`ConfigError` if ``cfg`` has an ``attack`` section: attacks are simulated only,
+    and a deployed server (``fedasync server``) must refuse them (the CLI exits 2)."""
+    if cfg.attack is not None:
+        raise ConfigError("attack: simulation only; a deployed server refuses a config with an attack section")
+
+
+def parse_client_set(spec: str, num_clients: int | None = None, key: str = "privacy.overrides.clients") -> set[int]:
+    """'0-9', '3,5,7', '0-4,10' -> a set of client ids. Errors name ``key``."""
     out: set[int] = set()
     for part in spec.split(","):
         part = part.strip()
@@ -334,7 +432,7 @@ def parse_client_set(spec: str, num_clients: int | None = None) -> set[int]:
             else:
                 out.add(int(part))
         except ValueError:
-            raise ConfigError(f"privacy.overrides.clients: bad client set {spec!r}") from None
+            raise ConfigError(f"{key}: bad client set {spec!r}") from None
     if num_clients is not None and any(c >= num_clients or c < 0 for c in out):
-        raise ConfigError(f"privacy.overrides.clients: {spec!r} names a client outside 0-{num_clients - 1}")
+        raise ConfigError(f"{key}: {spec!r} names a client outside 0-{num_clients - 1}")
     return out

@@ -36,6 +36,21 @@ def test_set_overrides_any_key_with_typed_values():
     ("server.strategy=fedprox", "server.strategy: Input should be"),
     ("data.alpha=0", "data.alpha: Input should be greater than 0"),
     ("train.prox_rho=-0.1", "train.prox_rho: Input should be greater than or equal to 0"),
+    ("server.scheduler.name=round_robin", "server.scheduler.name: Input should be 'uniform', 'fair', 'fastest', "
+                                          "'staleness_aware' or 'budget_aware'"),
+    ("server.scheduler.explore=1.5", "server.scheduler.explore: Input should be less than or equal to 1"),
+    ("server.scheduler.bogus=1", "server.scheduler.bogus: unknown key"),
+    ("server.delay_compensation.method=dc", "server.delay_compensation.method: Input should be 'none' or 'dc_asgd'"),
+    ("server.delay_compensation.lambda=-1", "server.delay_compensation.lambda: Input should be greater than or equal to 0"),
+    ("server.staleness.fn=linear", "server.staleness.fn: Input should be 'constant', 'polynomial', 'hinge', "
+                                   "'exponential' or 'adaptive'"),
+    ("server.robust.filter=zeno", "server.robust.filter: Input should be 'none', 'zeno++', 'kardam' or 'norm'"),
+    ("server.robust.aggregator=krum", "server.robust.aggregator: Input should be 'mean', 'median', 'trimmed_mean' "
+                                      "or 'centered_clip'"),
+    ("server.robust.trim=0.5", "server.robust.trim: Input should be less than 0.5"),
+    ("server.robust.warmup=200", "server.robust.warmup: 200 is larger than window (100)"),
+    ("server.robust.norm_multiplier=1", "server.robust.norm_multiplier: Input should be greater than 1"),
+    ("attack.kind=sign_flip", "attack.fraction: give exactly one of attack.fraction and attack.clients"),
 ])
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError) as e:
@@ -74,6 +89,11 @@ GDP_CENTRAL = ["--set", "privacy.central_dp.enabled=true", "--set", "privacy.cen
     (["--set", "server.concurrency=-1"], "server.concurrency"),
     (["--set", "server.buffer_size=500"], "server.buffer_size"),
     (["--compare", "fedavg,nope"], "server.strategy"),
+    (["--set", "server.scheduler.name=rr"], "server.scheduler.name"),
+    (["--compare", "fedbuff,fedbuff:scheduler.name=rr"], "server.scheduler.name"),
+    (["--compare", "fedbuff:delay_compensation.method=x"], "server.delay_compensation.method"),
+    (["--set", "server.robust.filter=krum"], "server.robust.filter"),
+    (["--set", "attack.kind=poison", "--set", "attack.fraction=0.2"], "attack.kind"),
 ])
 def test_cli_bad_config_exits_2_and_writes_nothing(tmp_path, monkeypatch, args, key):
     monkeypatch.chdir(tmp_path)
@@ -113,3 +133,40 @@ def test_reproducible_noise_defaults_off_and_cannot_hold_with_secure_mode():
                                           r"privacy.local_dp.secure_mode: true"):
         load_config(packaged_example("privacy"), ["privacy.reproducible_noise=true",
                                                   "privacy.local_dp.secure_mode=true"])
+
+
+def test_scheduler_delay_robust_and_attack_sections():
+    cfg = load_config()
+    assert cfg.server.scheduler.name == "uniform" and cfg.server.scheduler.explore == 0.1
+    assert cfg.server.delay_compensation.method == "none" and cfg.server.delay_compensation.lambda_ == 0.04
+    assert cfg.server.robust.filter == "none" and cfg.server.robust.aggregator == "mean"
+    assert cfg.attack is None
+    cfg = load_config(None, ["server.scheduler.name=fastest", "server.scheduler.beta=2",
+                             "server.delay_compensation.method=dc_asgd", "server.delay_compensation.lambda=0.1",
+                             "server.staleness.fn=adaptive", "server.robust.filter=zeno++",
+                             "server.robust.aggregator=median", "attack.kind=label_flip", "attack.clients=0-9"])
+    assert (cfg.server.scheduler.name, cfg.server.scheduler.beta) == ("fastest", 2.0)
+    assert cfg.server.delay_compensation.lambda_ == 0.1
+    assert cfg.server.robust.filter == "zeno++" and cfg.attack.clients == "0-9"
+    # the YAML a run writes uses the key ``lambda`` and loads back to the same config
+    raw = cfg.model_dump(mode="json")
+    assert raw["server"]["delay_compensation"] == {"method": "dc_asgd", "lambda": 0.1}
+    from fedasync.config import config_from_dict
+
+    assert config_from_dict(raw) == cfg
+    assert "lambda: 0.1" in cfg.to_yaml()
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["server.strategy=fedasync", "server.robust.aggregator=median"],
+     "server.robust.aggregator: median needs server.strategy fedbuff (got fedasync)"),
+    (["server.robust.aggregator=trimmed_mean", "privacy.central_dp.enabled=true"],
+     "server.robust.aggregator: trimmed_mean cannot be combined with privacy.central_dp"),
+    (["server.strategy=fedavg", "server.delay_compensation.method=dc_asgd"],
+     "server.delay_compensation.method: applies to fedasync and fedbuff, not fedavg"),
+    (["attack.kind=scale", "attack.clients=0-100"], "attack.clients: '0-100' names a client outside 0-99"),
+])
+def test_cross_checks_name_the_key(sets, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, sets)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)

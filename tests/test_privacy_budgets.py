@@ -155,3 +155,22 @@ def test_plans_group_identical_clients_and_cover_each_once():
     for g in groups:  # every group's sigma spends at most its budget in the planned tasks
         assert g.plan.epsilon_after(3) <= 4.0
         assert g.plan.epsilon_after(4) > 4.0
+
+
+def test_budget_view_says_what_the_client_would_refuse():
+    """budget_aware's input: remaining epsilon and whether the next task fits, by the client's rule."""
+    from fedasync.config import LocalDPConfig
+    from fedasync.privacy.budgets import budget_view, plan_client
+
+    dp = LocalDPConfig(enabled=True, epsilon=3.0, planned_tasks=4)
+    plan = plan_client(0, 80, 10, 16, Budget(epsilon=3.0, delta=1e-5, planned_tasks=4, noise_multiplier=None), dp)
+    hist, views = [], []
+    for _ in range(5):
+        views.append(budget_view(plan, hist))
+        hist = extend_history(hist, plan.noise_multiplier, plan.sample_rate, plan.steps, plan.accountant)
+    remaining = [r for r, _ in views]
+    assert [ok for _, ok in views] == [True, True, True, True, False]  # calibrated for exactly 4 tasks
+    assert remaining[0] == 3.0 and all(a > b for a, b in zip(remaining, remaining[1:]))
+    assert remaining[4] == pytest.approx(3.0 - epsilon_of(plan.history_after(4), 1e-5, "rdp"))
+    free = plan_client(0, 80, 10, 16, Budget(epsilon=None, delta=1e-5, planned_tasks=4, noise_multiplier=1.0), dp)
+    assert budget_view(free, hist) == (None, True)

@@ -9,7 +9,7 @@ from fedasync.server.staleness import STALENESS, make_staleness, make_staleness_
 
 
 def test_registry_names():
-    assert set(STALENESS) == {"constant", "polynomial", "hinge", "exponential"}
+    assert set(STALENESS) == {"constant", "polynomial", "hinge", "exponential", "adaptive"}
 
 
 @pytest.mark.parametrize(
@@ -40,7 +40,7 @@ def test_exact_values(name, a, b, s, expected):
 
 @pytest.mark.parametrize("name", sorted(STALENESS))
 def test_fresh_is_one_and_non_increasing(name):
-    f = make_staleness_fn(name, a=0.7, b=2.0)
+    f = make_staleness_fn(name, a=0.7, b=2.0, concurrency=4)
     assert f(0) == 1.0
     vals = [f(s) for s in range(30)]
     assert all(0 < v <= 1 for v in vals)
@@ -49,7 +49,7 @@ def test_fresh_is_one_and_non_increasing(name):
 
 @pytest.mark.parametrize("name", sorted(STALENESS))
 def test_negative_or_fractional_staleness_raises(name):
-    f = make_staleness_fn(name)
+    f = make_staleness_fn(name, concurrency=4)
     with pytest.raises(ValueError):
         f(-1)
     with pytest.raises(ValueError):
@@ -69,3 +69,39 @@ def test_unknown_name_and_bad_params():
         make_staleness_fn("linear")
     with pytest.raises(ValueError):
         make_staleness_fn("polynomial", a=-1.0)
+
+
+@pytest.mark.parametrize("c, s, expected", [
+    (1, 0, 1.0), (1, 1, 0.5), (1, 3, 0.25),
+    (4, 0, 1.0), (4, 3, 1.0), (4, 4, 0.8), (4, 7, 0.5), (4, 15, 0.25),
+    (20, 19, 1.0), (20, 39, 0.5),
+])
+def test_adaptive_exact(c, s, expected):
+    """min(1, C / tau), tau = s + 1: full weight while the delay is within the tasks in flight."""
+    f = make_staleness_fn("adaptive", concurrency=c)
+    assert f(s) == pytest.approx(expected, rel=1e-15, abs=0)
+    # a and b do not matter
+    assert make_staleness_fn("adaptive", a=3.0, b=9.0, concurrency=c)(s) == f(s)
+
+
+def test_adaptive_needs_concurrency_and_takes_it_from_config():
+    with pytest.raises(ValueError, match="needs concurrency"):
+        make_staleness_fn("adaptive")
+    with pytest.raises(ValueError, match="needs concurrency"):
+        make_staleness_fn("adaptive", concurrency=0)
+    with pytest.raises(ValueError, match="needs concurrency"):
+        make_staleness(StalenessConfig(fn="adaptive"))
+    f = make_staleness(StalenessConfig(fn="adaptive"), concurrency=20)
+    assert f(39) == 0.5 and "C=20" in repr(f)
+    # the others ignore it
+    assert make_staleness(StalenessConfig(), concurrency=20)(3) == 0.5
+
+
+def test_strategies_bind_server_concurrency():
+    from fedasync.config import ServerConfig
+    from fedasync.server.strategies import make_strategy
+
+    for strategy in ("fedasync", "fedbuff"):
+        s = make_strategy(ServerConfig(strategy=strategy, concurrency=5, staleness=StalenessConfig(fn="adaptive")),
+                          "uniform")
+        assert s.staleness_fn(4) == 1.0 and s.staleness_fn(9) == 0.5

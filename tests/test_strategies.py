@@ -154,7 +154,7 @@ def test_dtype_kept_and_inputs_not_mutated():
 @pytest.mark.parametrize("eta", [0.3, 0.6, 1.0])
 def test_fedbuff_k1_equals_fedasync(name, eta):
     """FedBuff(K=1, eta) == FedAsync(alpha=eta) when each update starts from the current model."""
-    fn = make_staleness_fn(name, a=0.7, b=0.0)
+    fn = make_staleness_fn(name, a=0.7, b=0.0, concurrency=3)
     fa, fb = FedAsync(alpha=eta, staleness_fn=fn), FedBuff(buffer_size=1, server_lr=eta, staleness_fn=fn)
     rng = np.random.default_rng(1)
     xa = xb = random_params(rng)
@@ -416,6 +416,7 @@ def test_pure_modules_import_neither_flower_nor_sqlalchemy():
     code = (
         "import sys\n"
         "import fedasync.server.staleness, fedasync.server.strategies, fedasync.server.scheduler, fedasync.server.clock\n"
+        "import fedasync.server.robust, fedasync.server.delay, fedasync.clients.attack\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('flwr', 'sqlalchemy')]\n"
         "assert not bad, bad\n"
     )

@@ -13,6 +13,12 @@ fresh count.  No training ``loss``: it is computed on private data without noise
 A real device (``device_node``: the SuperNode was started by ``fedasync client``) or a task
 marked ``deployment`` never derives its noise from the seed the server sends: a task asking for
 ``privacy.reproducible_noise`` is refused with an error.
+
+Simulated attacks: a simulation task for a malicious client carries ``"attack": {"kind": ...,
+"factor": ...}`` (``attack:`` in YAML, see :mod:`fedasync.clients.attack`). ``label_flip`` trains on
+flipped labels; ``sign_flip``, ``scale`` and ``gaussian`` transform the trained parameters before the
+reply. The attack module is imported only for such a task; a deployment task carrying ``attack`` is
+refused (``attack_in_deployment``) without training.
 """
 
 from __future__ import annotations
@@ -63,10 +69,17 @@ def handle_train(params: Params, config: dict[str, Any], data_path: str | None =
     from fedasync.task.models import set_params
     from fedasync.task.train import local_train
 
+    attack = config.get("attack")
+    if attack and config.get("deployment"):
+        return {"refused": "attack_in_deployment", "metrics": {}}
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     _s, _fed, model, train_cfg, device = _setup(config["setup"])
     x, y = local_data(config["setup"], int(config["client_id"]), data_path)
+    if attack and attack.get("kind") == "label_flip":
+        from fedasync.clients.attack import flip_labels
+
+        y = flip_labels(y, _fed.num_classes)
     pconf = config.get("privacy")
     dp_metrics: dict[str, Any] = {}
     if pconf and pconf.get("local_dp"):
@@ -87,6 +100,12 @@ def handle_train(params: Params, config: dict[str, Any], data_path: str | None =
     else:
         set_params(model, params)
         result = local_train(model, x, y, train_cfg, seed=int(config["seed"]), device=device)
+    if attack and result.params is not None:
+        from fedasync.clients.attack import apply_to_reply
+
+        result.params = apply_to_reply(str(attack["kind"]), params, result.params,
+                                       factor=float(attack.get("factor", 10.0)), seed=int(config["seed"]),
+                                       task_id=int(config.get("task_id", 0)))
     sleep_s = float(config.get("sleep_s", 0.0))
     if sleep_s > 0:  # emulate this client's speed in wall-clock time
         time.sleep(max(0.0, sleep_s - (time.perf_counter() - t0)))

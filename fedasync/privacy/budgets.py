@@ -228,6 +228,23 @@ class ClientPlan:
         return epsilon_of(self.history_after(tasks), self.budget.delta, self.accountant)
 
 
+def budget_view(plan: ClientPlan, history: Iterable[Sequence] | None) -> tuple[float | None, bool]:
+    """``(remaining epsilon, can afford its next task)`` for a client with accountant ``history``.
+
+    The same rule as the client's own check (``fedasync.privacy.dp.private_task``, for a client
+    whose data matches its plan): the next task is affordable iff the epsilon after ``plan.steps``
+    more steps at ``(plan.noise_multiplier, plan.sample_rate)`` is within the budget. Without an
+    epsilon budget: ``(None, True)``. For the ``budget_aware`` scheduler
+    (:meth:`fedasync.server.scheduler.Scheduler.observe_budget`).
+    """
+    budget = plan.budget.epsilon
+    if budget is None:
+        return None, True
+    spent = epsilon_of(history, plan.budget.delta, plan.accountant)
+    planned = extend_history(history, plan.noise_multiplier, plan.sample_rate, plan.steps, plan.accountant)
+    return float(budget) - spent, epsilon_of(planned, plan.budget.delta, plan.accountant) <= float(budget)
+
+
 def plan_client(client_id: int, num_examples: int, steps: int, batch_size: int, budget: Budget,
                 dp: LocalDPConfig) -> ClientPlan:
     q = sample_rate_for(num_examples, batch_size)

@@ -20,6 +20,10 @@ Rules (``S`` is the staleness function, see :mod:`fedasync.server.staleness`):
   With client-level central DP (:class:`CentralDP`) each ``D_i`` is first clipped to
   L2 norm ``clip``, then weighted by ``S_i``, summed, Gaussian noise added, divided by ``K``;
   and a release holds **at most one term per client** (see :class:`FedBuff`).
+  With a robust aggregator (``server.robust.aggregator``: median, trimmed_mean, centered_clip;
+  :func:`fedasync.server.robust.aggregate`) the mean of ``u_i = (K w_i / D) D_i`` (``w_i``, ``D``
+  the weights and denominator above, so that ``mean(u_i)`` is the step) is replaced by the
+  robust estimate: ``x <- x + eta * agg(u_1..u_K)``. ``mean`` keeps the arithmetic above.
 - ``fedavg`` (synchronous, optional backup workers, Chen et al. 2017): a round dispatches
   ``m + b`` tasks from version ``v``; the first ``m`` updates with ``base_version == v``
   are aggregated, ``examples``: ``x <- sum n_i x_i / sum n_i``, ``uniform``: ``mean(x_i)``;
@@ -31,8 +35,6 @@ mutated; every returned model is a new dict of new arrays.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import secrets
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -41,69 +43,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from fedasync.config import CentralDPConfig, ServerConfig
+from fedasync.server import robust
+from fedasync.server.params import Params, Params64, _cast_like, _check_like, _copy, _f64, params_norm, params_sha256, params_sub  # noqa: F401
 from fedasync.server.staleness import StalenessFn, make_staleness
 
-Params = dict[str, np.ndarray]
-Params64 = dict[str, np.ndarray]  # the same keys, float64 arrays
-
 WEIGHTINGS = ("uniform", "examples")
-
-
-# -- parameter helpers --------------------------------------------------------------
-
-
-def _check_like(a: Params, b: Params, what: str = "parameters") -> None:
-    if a.keys() != b.keys():
-        missing = sorted(set(a) ^ set(b))
-        raise ValueError(f"{what}: keys differ ({', '.join(missing[:5])})")
-    for k in a:
-        if np.shape(a[k]) != np.shape(b[k]):
-            raise ValueError(f"{what}: shape of {k!r} differs: {np.shape(a[k])} vs {np.shape(b[k])}")
-
-
-def _f64(p: Params) -> Params64:
-    return {k: np.asarray(v, dtype=np.float64) for k, v in p.items()}
-
-
-def _cast_like(p64: Params64, like: Params) -> Params:
-    """New arrays with the keys (in ``like``'s order) and dtypes of ``like``."""
-    out: Params = {}
-    for k, ref in like.items():
-        dtype = np.asarray(ref).dtype
-        v = p64[k]
-        if np.issubdtype(dtype, np.integer):
-            v = np.rint(v)
-        out[k] = np.array(v, dtype=dtype, copy=True)
-    return out
-
-
-def _copy(p: Params) -> Params:
-    return {k: np.array(v, copy=True) for k, v in p.items()}
-
-
-def params_sub(a: Params, b: Params) -> Params:
-    """``a - b`` per array (float64 inside, cast back to ``a``'s dtypes)."""
-    _check_like(a, b)
-    return _cast_like({k: np.asarray(a[k], np.float64) - np.asarray(b[k], np.float64) for k in a}, a)
-
-
-def params_norm(p: Params) -> float:
-    """Global L2 norm over all arrays, in float64."""
-    return float(np.sqrt(sum(float(np.sum(np.square(np.asarray(v, np.float64)))) for v in p.values())))
-
-
-def params_sha256(p: Params) -> str:
-    """SHA-256 hex digest over (key, dtype, shape, raw C-order bytes) of each array, in key order."""
-    h = hashlib.sha256()
-    for k, v in p.items():
-        arr = np.ascontiguousarray(v)
-        header = json.dumps([str(k), arr.dtype.str, list(arr.shape)]).encode()
-        data = arr.tobytes()
-        h.update(len(header).to_bytes(8, "little"))
-        h.update(header)
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
-    return h.hexdigest()
 
 
 # -- updates and the strategy interface ---------------------------------------------
@@ -305,10 +249,16 @@ class FedBuff(Strategy):
         staleness_fn: StalenessFn,
         weighting: str = "uniform",
         central_dp: CentralDP | None = None,
+        aggregator: str = "mean",
+        aggregator_params: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if buffer_size < 1:
             raise ValueError(f"fedbuff buffer_size must be >= 1, got {buffer_size}")
+        if aggregator not in robust.AGGREGATORS:
+            raise ValueError(f"fedbuff aggregator must be one of {robust.AGGREGATORS}, got {aggregator!r}")
+        if central_dp is not None and aggregator != "mean":
+            raise ValueError(f"fedbuff with central DP needs aggregator 'mean' (got {aggregator!r})")
         if weighting not in WEIGHTINGS:
             raise ValueError(f"fedbuff weighting must be one of {WEIGHTINGS}, got {weighting!r}")
         if central_dp is not None and weighting != "uniform":
@@ -318,6 +268,8 @@ class FedBuff(Strategy):
         self.staleness_fn = staleness_fn
         self.weighting = weighting
         self.central_dp = central_dp
+        self.aggregator = aggregator
+        self.aggregator_params = dict(aggregator_params or {})
         self._buffer: list[dict[str, Any]] = []
         self._held: list[dict[str, Any]] = []  # central DP: second updates waiting for the next release
 
@@ -363,6 +315,8 @@ class FedBuff(Strategy):
     def _aggregate(self, model: Params) -> Params:
         buf, self._buffer = self._buffer, []
         x = _f64(model)
+        if self.aggregator != "mean":
+            return self._aggregate_robust(model, x, buf)
         if self.central_dp is not None:
             total = self.central_dp.privatize([e["delta"] for e in buf], weights=[e["weight"] for e in buf])
             denom = float(len(buf))
@@ -381,6 +335,21 @@ class FedBuff(Strategy):
             if denom <= 0:
                 raise ValueError("fedbuff examples weighting: the buffered updates have 0 examples")
         new = {k: x[k] + self.server_lr * (total[k] / denom) for k in x}
+        self._last = [e["task_id"] for e in buf]
+        return _cast_like(new, model)
+
+    def _aggregate_robust(self, model: Params, x: Params64, buf: list[dict[str, Any]]) -> Params:
+        k = float(len(buf))
+        if self.weighting == "uniform":
+            coef = [e["weight"] for e in buf]  # K * S_i / K
+        else:
+            denom = float(sum(e["num_examples"] for e in buf))
+            if denom <= 0:
+                raise ValueError("fedbuff examples weighting: the buffered updates have 0 examples")
+            coef = [k * e["num_examples"] * e["weight"] / denom for e in buf]
+        u = [c * robust.flat({key: e["delta"][key] for key in x}) for c, e in zip(coef, buf)]  # x's key order
+        step = robust.unflat(robust.aggregate(u, self.aggregator, **self.aggregator_params), x)
+        new = {key: x[key] + self.server_lr * step[key] for key in x}
         self._last = [e["task_id"] for e in buf]
         return _cast_like(new, model)
 
@@ -490,22 +459,28 @@ class FedAvg(Strategy):
 def _fedasync(cfg: ServerConfig, weighting: str, central_dp: CentralDP | None) -> Strategy:
     if central_dp is not None:
         raise ValueError("central DP is supported with server.strategy fedbuff only")
-    return FedAsync(alpha=cfg.alpha, staleness_fn=make_staleness(cfg.staleness))
+    if cfg.robust.aggregator != "mean":
+        raise ValueError("server.robust.aggregator: a robust aggregator needs server.strategy fedbuff")
+    return FedAsync(alpha=cfg.alpha, staleness_fn=make_staleness(cfg.staleness, concurrency=cfg.concurrency))
 
 
 def _fedbuff(cfg: ServerConfig, weighting: str, central_dp: CentralDP | None) -> Strategy:
     return FedBuff(
         buffer_size=cfg.buffer_size,
         server_lr=cfg.server_lr,
-        staleness_fn=make_staleness(cfg.staleness),
+        staleness_fn=make_staleness(cfg.staleness, concurrency=cfg.concurrency),
         weighting=weighting,
         central_dp=central_dp,
+        aggregator=cfg.robust.aggregator,
+        aggregator_params=robust.aggregator_params(cfg.robust),
     )
 
 
 def _fedavg(cfg: ServerConfig, weighting: str, central_dp: CentralDP | None) -> Strategy:
     if central_dp is not None:
         raise ValueError("central DP is supported with server.strategy fedbuff only")
+    if cfg.robust.aggregator != "mean":
+        raise ValueError("server.robust.aggregator: a robust aggregator needs server.strategy fedbuff")
     return FedAvg(
         clients_per_round=cfg.clients_per_round or cfg.concurrency,
         backup_workers=cfg.backup_workers,

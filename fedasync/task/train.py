@@ -277,3 +277,52 @@ def evaluate(
     finally:
         model.train(was_training)
     return total_loss / n, correct / n
+
+
+def gradient(
+    model: nn.Module,
+    x: np.ndarray,
+    y: np.ndarray,
+    batch_size: int = 1024,
+    device: torch.device | None = None,
+) -> Params:
+    """The gradient of the mean cross-entropy loss over ``x, y`` at the model's current parameters.
+
+    Keyed like :func:`fedasync.task.models.get_params` (the ``state_dict``, float32 numpy); a
+    buffer that is not a trainable parameter gets zeros. Computed in eval mode in chunks of
+    ``batch_size`` (each chunk's summed loss, divided by ``n`` once), so the result does not
+    depend on ``batch_size`` beyond float rounding. The model's ``.grad`` fields are left as they
+    were. Used by the server for Zeno++'s validation gradient (``fedasync.server.robust``), on a
+    validation split of the *training* data.
+    """
+    n = len(y)
+    if n == 0:
+        raise ValueError("gradient: no samples")
+    if len(x) != n:
+        raise ValueError(f"gradient: x has {len(x)} rows but y has {n}")
+    if device is None:
+        p = next(model.parameters(), None)
+        device = p.device if p is not None else torch.device("cpu")
+    else:
+        model.to(device)
+    names = {id(p): name for name, p in model.named_parameters()}
+    params = [p for p in model.parameters() if p.requires_grad]
+    was_training = model.training
+    model.eval()
+    xt, yt = _as_tensors(x, y)
+    total = [torch.zeros_like(p) for p in params]
+    try:
+        for i in range(0, n, batch_size):
+            xb = xt[i: i + batch_size].to(device)
+            yb = yt[i: i + batch_size].to(device)
+            loss = nn.functional.cross_entropy(model(xb), yb, reduction="sum")
+            grads = torch.autograd.grad(loss, params)
+            for t, g in zip(total, grads):
+                t += g
+    finally:
+        model.train(was_training)
+    by_name = {names[id(p)]: (t / n).detach().to("cpu", torch.float32).numpy().copy() for p, t in zip(params, total)}
+    out: Params = {}
+    for k, v in model.state_dict().items():
+        out[k] = by_name[k] if k in by_name else np.zeros(tuple(v.shape), np.float32)
+    return out
