@@ -97,13 +97,34 @@ def test_fedavg_backup_workers_discard_the_slowest(tmp_path):
             by_version.setdefault(u.applied_in_version, []).append(u)
     assert sorted(by_version) == [1, 2, 3, 4, 5]
     assert all(len(v) == 4 for v in by_version.values())  # m = 4 aggregated per round
-    dropped = [u for u in ups if not u.accepted]
-    assert dropped and all(u.reason == "round_closed" for u in dropped)
+    assert all(u.accepted for u in ups)  # the b stragglers never reply: their round cancelled them
     # every dispatch of a round carried that round's version; a round sends m + b tasks
     per_round = {}
     for d in store.dispatches(summary["run_id"]):
         per_round[d.base_version] = per_round.get(d.base_version, 0) + 1
     assert per_round[0] == 6
+    cancelled = [d for d in store.dispatches(summary["run_id"]) if d.status == "cancelled"]
+    assert len(cancelled) == 2 * 5 and all(d.error == "round_closed" for d in cancelled)
+
+
+def test_backup_workers_restart_together_when_every_client_is_in_the_round(tmp_path):
+    """n = m + b = 6: each round's 6 tasks leave at one virtual instant (Chen et al. 2016), the
+    2 stragglers of the closed round are cancelled, not waited for; and a resumed run agrees."""
+    cfg = small_config("data.num_clients=6", "server.strategy=fedavg", "server.concurrency=4",
+                       "server.backup_workers=2", "server.max_versions=6")
+    summary, store, _ = run(cfg, tmp_path)
+    rounds = {}
+    for d in store.dispatches(summary["run_id"]):
+        rounds.setdefault(d.base_version, []).append(d)
+    assert sorted(rounds) == list(range(6))
+    for v, ds in rounds.items():
+        assert len(ds) == 6 and len({d.sent_virtual for d in ds}) == 1, (v, [d.sent_virtual for d in ds])
+        assert sorted(d.client_id for d in ds) == list(range(6))
+        assert sorted(d.status for d in ds) == ["cancelled"] * 2 + ["replied"] * 4
+    # the next round starts when its m-th reply closes the previous one
+    for v in range(1, 6):
+        closing = max(d.finish_virtual for d in rounds[v - 1] if d.status == "replied")
+        assert rounds[v][0].sent_virtual == closing
 
 
 def test_max_staleness_rejects_stale_updates_and_keeps_the_model(tmp_path):

@@ -1,5 +1,6 @@
 """Stopping a run: from outside (SIGINT/SIGTERM, and in deployment the store's ``stopping``
-status), and when no client can be given a task.
+status), and when no client can be given a task; and cancelling the backup workers' tasks that a
+synchronous round dropped (:func:`cancel_dropped`).
 
 The loop asks :meth:`StopControl.requested` before each step; a first signal stops it after the
 reply being handled, a second raises ``KeyboardInterrupt`` (stop at once).
@@ -12,7 +13,10 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
+
+if TYPE_CHECKING:
+    from fedasync.server.loop import AsyncServer
 
 log = logging.getLogger("fedasync")
 
@@ -82,3 +86,27 @@ def no_task_reason(num_clients: int, exhausted: int, deployment: bool) -> str:
         log.warning("stopping (no_client_can_train): no client could be given a task "
                     "(%d of %d exhausted their privacy budget, the others are unavailable)", k, n)
     return "no_client_can_train"
+
+
+#: the error a dispatch cancelled by its round's close is recorded with (status ``cancelled``)
+ROUND_CLOSED = "round_closed"
+
+
+def cancel_dropped(srv: "AsyncServer") -> list[int]:
+    """Synchronous FedAvg with backup workers (Chen et al. 2016): when a round closes after its
+    first ``m`` replies, the ``b`` tasks still live are cancelled: recorded ``cancelled`` (error
+    ``round_closed``) and taken out of the live set, so that all ``m + b`` clients restart together
+    on the new model. Under the wall clock a late reply of such a task is still pulled and rejected
+    as ``round_closed`` without occupying a slot; under the virtual clock it is never taken.
+    Every live task of a synchronous run whose base is not the current version is such a task (a
+    round's tasks all carry its version), which is also how resume finds them after a crash."""
+    if not srv.strategy.synchronous:
+        return []
+    dropped = sorted(tid for tid, t in srv.live.items() if t.base_version != srv.version)
+    for tid in dropped:
+        t = srv.live.pop(tid)
+        srv.arrived.pop(tid, None)
+        if not srv.virtual and t.message_id is not None:
+            srv.cancelled[t.message_id] = t
+        srv.store.set_dispatch_status(srv.run_id, tid, "cancelled", ROUND_CLOSED)
+    return dropped

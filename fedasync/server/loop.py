@@ -50,7 +50,7 @@ import numpy as np
 from fedasync.config import Config
 from fedasync.server import resume
 from fedasync.server.clock import VirtualClock, WallClock, make_profiles, task_duration
-from fedasync.server.control import StopControl, no_task_reason
+from fedasync.server.control import StopControl, cancel_dropped, no_task_reason
 from fedasync.server.records import as_int, replay_row, update_row
 from fedasync.server.scheduler import make_scheduler
 from fedasync.server.strategies import Update, make_strategy, params_sha256
@@ -121,6 +121,7 @@ class AsyncServer:
         self.t_wall0 = time.time()
         self.replays = 0
         self.closed: dict[str, tuple[int, int]] = {}  # message id -> (task id, client id) once handled
+        self.cancelled: dict[str, Live] = {}  # wall clock: message id -> a backup task its round dropped
         self._resend: list[Any] = []  # virtual-clock resume: dispatch rows to send again as they were
         self._priority: list[int] = []  # wall-clock resume: clients whose tasks were lost go first
         self._no_client_since: float | None = None
@@ -323,7 +324,7 @@ class AsyncServer:
 
     # -- taking replies ----------------------------------------------------------------
     def _poll(self) -> None:
-        ids = [t.message_id for t in self.live.values() if t.task_id not in self.arrived]
+        ids = [t.message_id for t in self.live.values() if t.task_id not in self.arrived] + list(self.cancelled)
         if not ids:
             return
         try:
@@ -335,6 +336,12 @@ class AsyncServer:
             return
         for mid, reply in polled:
             tid = self.by_message.pop(mid, None)
+            if mid in self.cancelled:  # a dropped backup's late reply: rejected as round_closed
+                t = self.cancelled.pop(mid)
+                self.closed[mid] = (t.task_id, t.client_id)
+                if reply.error is None:
+                    self._take(t, reply, dispatch_status="cancelled")
+                continue
             if tid is None or tid not in self.live or tid in self.arrived:
                 self._stray(mid, reply)
                 continue
@@ -396,7 +403,7 @@ class AsyncServer:
             self._take(t, reply)
             self._emit()
 
-    def _take(self, t: Live, reply: Reply) -> None:
+    def _take(self, t: Live, reply: Reply, dispatch_status: str | None = None) -> None:
         """Validate an update, hand it to the strategy, and record it with the version it made."""
         self.received += 1
         s = self.version - t.base_version
@@ -427,10 +434,12 @@ class AsyncServer:
                          pending=reason is None and t.task_id in self.strategy.pending())
         privacy, client_state = (None, None) if self.privacy is None else \
             self.privacy.on_reply(t.client_id, t.task_id, reply.metrics)  # DP: privacy_spend row, accountant
-        self.store.record_reply(self.run_id, t.task_id, row, "late" if t.timed_out else "replied",
+        status = dispatch_status or ("late" if t.timed_out else "replied")
+        self.store.record_reply(self.run_id, t.task_id, row, status,
                                 new_version, resume.loop_state(self),
                                 self.clock.now, privacy=privacy, client_state=client_state)
         if new_version is not None:
+            cancel_dropped(self)
             self._prune_cache()
             if self.version % self.cfg.server.eval_every == 0:
                 self._evaluate()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedasync.config import Config
 from fedasync.server.clock import WallClock
+from fedasync.server.control import ROUND_CLOSED
 from fedasync.server.strategies import Update
 from fedasync.server.transport import Live, TaskMsg
 from fedasync.store import dumps_state, loads_state
@@ -82,7 +83,12 @@ def restore(srv: AsyncServer, run_id: int) -> None:
     # tasks in flight when the server stopped or died (see the module docstring)
     replied = {u.task_id for u in store.updates(run_id)}
     pending = [d for d in store.dispatches(run_id)
-               if d.status in RESEND or (d.status == "timeout" and d.task_id not in replied)]
+               if (d.status in RESEND and d.error != ROUND_CLOSED)
+               or (d.status == "timeout" and d.task_id not in replied)]
+    if srv.strategy.synchronous:  # killed between a round's close and the cancelling of its backups
+        for d in [d for d in pending if d.base_version != srv.version]:
+            store.set_dispatch_status(run_id, d.task_id, "cancelled", ROUND_CLOSED)
+            pending.remove(d)
     if srv.virtual:
         srv._resend = pending
     else:

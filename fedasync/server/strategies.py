@@ -27,7 +27,9 @@ Rules (``S`` is the staleness function, see :mod:`fedasync.server.staleness`):
 - ``fedavg`` (synchronous, optional backup workers, Chen et al. 2017): a round dispatches
   ``m + b`` tasks from version ``v``; the first ``m`` updates with ``base_version == v``
   are aggregated, ``examples``: ``x <- sum n_i x_i / sum n_i``, ``uniform``: ``mean(x_i)``;
-  later ones are rejected by :meth:`Strategy.check` with ``"round_closed"``.
+  later ones are rejected by :meth:`Strategy.check` with ``"round_closed"``. When a round closes
+  the server cancels its ``b`` remaining tasks, so that all ``m + b`` workers restart together
+  on the new model (:func:`fedasync.server.control.cancel_dropped`).
 
 Arithmetic is float64; results are cast back to each array's dtype. Inputs are never
 mutated; every returned model is a new dict of new arrays.
