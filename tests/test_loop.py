@@ -167,3 +167,39 @@ def test_fedasync_proximal_term_reaches_the_clients(tmp_path):
     zero, _, _ = run(small_config("server.strategy=fedasync", "train.prox_rho=0"), tmp_path, "b")
     prox, _, _ = run(small_config("server.strategy=fedasync", "train.prox_rho=0.5"), tmp_path, "c")
     assert zero["model_sha256"] == base["model_sha256"] != prox["model_sha256"]
+
+
+def test_wall_clock_late_reply_of_a_cancelled_backup_is_rejected_without_a_slot(tmp_path):
+    """Wall clock: client 2 is always slow. Its task is cancelled when the round closes, the next
+    round goes out to all three clients at once, and its late reply is recorded as round_closed."""
+    from fedasync.clients.runner import handle_train
+
+    class SlowClient2(LocalTransport):
+        def __init__(self):
+            super().__init__(handle_train)
+            self.client_of, self.polls = {}, 0
+
+        def send(self, tasks):
+            ids = super().send(tasks)
+            self.client_of.update({m: t.client_id for m, t in zip(ids, tasks)})
+            return ids
+
+        def poll(self, message_ids):
+            self.polls += 1  # client 2's replies only come back on every third poll
+            ready = [m for m in message_ids if self.client_of[m] != 2 or self.polls % 3 == 0]
+            return super().poll(ready)
+
+    cfg = small_config("data.num_clients=3", "server.strategy=fedavg", "server.concurrency=2",
+                       "server.backup_workers=1", "server.max_versions=4", "server.poll_interval=0.001")
+    store = Store(f"sqlite:///{tmp_path / 'w'}.db")
+    summary = AsyncServer(cfg, SlowClient2(), store, clock="wall").run()
+    ds = store.dispatches(summary["run_id"])
+    rounds = {}
+    for d in ds:
+        rounds.setdefault(d.base_version, []).append(d)
+    assert all(sorted(d.client_id for d in rounds[v]) == [0, 1, 2] for v in range(4))
+    late = [u for u in store.updates(summary["run_id"]) if u.reason == "round_closed"]
+    assert late and all(u.client_id == 2 and u.applied_in_version is None for u in late)
+    assert summary["rejections"]["round_closed"] == len(late)
+    by_task = {d.task_id: d for d in ds}
+    assert all(by_task[u.task_id].status == "cancelled" for u in late)

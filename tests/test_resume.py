@@ -221,6 +221,11 @@ def test_resume_refuses_a_different_experiment():
     assert check_resume_config(stored, config_from_dict({**raw, "seed": 6})).startswith("seed is 6")
     assert check_resume_config(stored, config_from_dict({**raw, "data": {**raw["data"], "alpha": 0.1}})) \
         .startswith("data.alpha")
+    # a run stored before a key existed (here server.scheduler) resumes under the key's default
+    older = dict(raw, server={k: v for k, v in raw["server"].items() if k != "scheduler"})
+    assert check_resume_config(yaml.safe_dump(older), make_cfg("fedbuff")) is None
+    assert check_resume_config(yaml.safe_dump(older), make_cfg("fedbuff", server={"scheduler": {"name": "fair"}})) \
+        .startswith("server.scheduler.name is 'fair'")
 
 
 def test_resume_without_stored_parameters_fails_clearly(tmp_path):

@@ -103,10 +103,15 @@ def cancel_dropped(srv: "AsyncServer") -> list[int]:
     if not srv.strategy.synchronous:
         return []
     dropped = sorted(tid for tid, t in srv.live.items() if t.base_version != srv.version)
+    late = []
     for tid in dropped:
         t = srv.live.pop(tid)
-        srv.arrived.pop(tid, None)
-        if not srv.virtual and t.message_id is not None:
-            srv.cancelled[t.message_id] = t
+        reply = srv.arrived.pop(tid, None)
         srv.store.set_dispatch_status(srv.run_id, tid, "cancelled", ROUND_CLOSED)
+        if not srv.virtual and reply is not None:  # already pulled, behind the round's m-th reply
+            late.append((t, reply))
+        elif not srv.virtual and t.message_id is not None:
+            srv.cancelled[t.message_id] = t
+    for t, reply in late:
+        srv.take_cancelled(t, reply)
     return dropped

@@ -50,7 +50,7 @@ import numpy as np
 from fedasync.config import Config
 from fedasync.server import resume
 from fedasync.server.clock import VirtualClock, WallClock, make_profiles, task_duration
-from fedasync.server.control import StopControl, cancel_dropped, no_task_reason
+from fedasync.server.control import ROUND_CLOSED, StopControl, cancel_dropped, no_task_reason
 from fedasync.server.records import as_int, replay_row, update_row
 from fedasync.server.scheduler import make_scheduler
 from fedasync.server.strategies import Update, make_strategy, params_sha256
@@ -218,6 +218,8 @@ class AsyncServer:
             time.sleep(self.cfg.server.poll_interval)
             return
         for _, tid in ready:
+            if tid not in self.live:  # cancelled by the round an earlier reply of this batch closed
+                continue
             self._handle(self.live[tid], self.arrived[tid])
             if self._should_stop():
                 return
@@ -336,11 +338,8 @@ class AsyncServer:
             return
         for mid, reply in polled:
             tid = self.by_message.pop(mid, None)
-            if mid in self.cancelled:  # a dropped backup's late reply: rejected as round_closed
-                t = self.cancelled.pop(mid)
-                self.closed[mid] = (t.task_id, t.client_id)
-                if reply.error is None:
-                    self._take(t, reply, dispatch_status="cancelled")
+            if mid in self.cancelled:
+                self.take_cancelled(self.cancelled.pop(mid), reply)
                 continue
             if tid is None or tid not in self.live or tid in self.arrived:
                 self._stray(mid, reply)
@@ -403,6 +402,12 @@ class AsyncServer:
             self._take(t, reply)
             self._emit()
 
+    def take_cancelled(self, t: Live, reply: Reply) -> None:
+        """A cancelled backup's late reply: recorded, rejected as ``round_closed``, holds no slot."""
+        self.closed[t.message_id] = (t.task_id, t.client_id)
+        if reply.error is None:
+            self._take(t, reply, dispatch_status="cancelled")
+
     def _take(self, t: Live, reply: Reply, dispatch_status: str | None = None) -> None:
         """Validate an update, hand it to the strategy, and record it with the version it made."""
         self.received += 1
@@ -410,8 +415,8 @@ class AsyncServer:
         if not isinstance(reply.metrics, dict):  # a malformed reply must not stop the run
             reply.metrics = {}
         num_examples = max(0, as_int(reply.metrics.get("num_examples", 0)) or 0)
-        base = self.base_cache[t.base_version]
-        reason = self.validator.check(reply, t, s, run_id=self.run_id, base=base)
+        base = self.base_cache.get(t.base_version)  # None: a cancelled backup's late reply
+        reason = self.validator.check(reply, t, s, run_id=self.run_id, base=base) if base else ROUND_CLOSED
         if reason is None and t.timed_out and self.cfg.server.late_policy == "reject":
             reason = "late"
         upd = None

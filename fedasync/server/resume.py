@@ -155,7 +155,13 @@ def check_resume_config(stored_yaml: str, cfg: Config) -> str | None:
                                            "target_accuracy", "stop_at_target", "task_timeout", "late_policy",
                                            "poll_interval", "eval_every")} | {("store",), ("deploy",), ("name",),
                                                                                ("simulation",)}
+    from fedasync.config import ConfigError, config_from_dict
+
     old = yaml.safe_load(stored_yaml) or {}
+    try:  # keys added since the run was made take their defaults, as they did then
+        old = config_from_dict(old).model_dump(mode="json")
+    except ConfigError:
+        pass
     new = cfg.model_dump(mode="json")
 
     def walk(a: Any, b: Any, path: tuple) -> str | None:
