@@ -43,6 +43,28 @@ def deployable_or_exit(cfg: Config) -> None:
         fail(str(e))
 
 
+def check_store_or_exit(url: str | None, key: str, must_exist: bool = False) -> None:
+    """Exit 2 with one line naming ``key`` when the store at ``url`` cannot be opened (writes nothing)."""
+    from fedasync.store.opening import StoreOpenError, probe_store
+
+    if url is None:
+        return
+    try:
+        probe_store(url, key, must_exist=must_exist)
+    except StoreOpenError as e:
+        fail(str(e))
+
+
+def store_or_exit(url: str, key: str, must_exist: bool = False):
+    """The store at ``url``; exit 2 with one line naming ``key`` when it cannot be opened."""
+    from fedasync.store.opening import StoreOpenError, open_store
+
+    try:
+        return open_store(url, key, must_exist=must_exist)
+    except StoreOpenError as e:
+        fail(str(e))
+
+
 def quiet_flower(verbose: bool) -> None:
     """Flower and Ray are chatty; keep their warnings unless --verbose asks for everything."""
     level = logging.INFO if verbose else logging.ERROR

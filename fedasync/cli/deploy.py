@@ -182,7 +182,8 @@ def server(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="More logging."),
 ) -> None:
     """Run the asynchronous server on a SuperLink, for SuperNodes started with `fedasync client`."""
-    from fedasync.cli.common import RunProgress, deployable_or_exit, load_or_exit, progress_bars, summary_table
+    from fedasync.cli.common import (RunProgress, check_store_or_exit, deployable_or_exit, load_or_exit,
+                                     progress_bars, summary_table)
     from fedasync.deploy.keys import client_public_keys, supernode_auth_keys
     from fedasync.deploy.processes import parse_address
     from fedasync.deploy.run import ServerRun, check_out_dir, resolve_tls
@@ -209,6 +210,7 @@ def server(
         check_out_dir(out, resume)
     except DeployError as e:
         fail(str(e), e.code)
+    check_store_or_exit(cfg.store.url, "store.url")
     if missing:
         err_console.print(f"warning: no public key for client(s) {missing[:10]}: their updates will be "
                           "rejected as unknown_client", highlight=False)

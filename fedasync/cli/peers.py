@@ -63,11 +63,10 @@ def prepare(config: Optional[str], set_: list[str], peers: Optional[int], out: O
         check(cfg)
     if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())):
         fail(f"--out: {out} exists and is not an empty directory")
-    if store is not None:
-        from fedasync.serverless.runs import open_store
+    if store is not None:  # reachable and a database, but nothing created yet
+        from fedasync.cli.common import check_store_or_exit
 
-        with user_errors():
-            open_store(store).close()
+        check_store_or_exit(store, "--store")
     if capped:
         console.print(f"note: {capped} (they cannot exceed the number of peers)", highlight=False, soft_wrap=True)
     if out is None:

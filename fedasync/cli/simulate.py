@@ -10,8 +10,8 @@ from typing import Optional
 
 import typer
 
-from fedasync.cli.common import (RunProgress, console, fail, load_or_exit, progress_bars, quiet_flower,
-                                 summary_table)
+from fedasync.cli.common import (RunProgress, check_store_or_exit, console, fail, load_or_exit, progress_bars,
+                                 quiet_flower, summary_table)
 from fedasync.config import Config, ConfigError, apply_overrides, config_from_dict
 from fedasync.runs import RunError, resume_config, run_configs
 
@@ -76,6 +76,8 @@ def simulate(
         fail(f"--backend: {backend!r} is not one of flower, local")
     if resume is None and out is not None and out.exists() and any(out.iterdir()):
         fail(f"--out: {out} exists and is not empty")
+    for label, c in configs:  # a store that cannot be opened: one line, before anything is written
+        check_store_or_exit(c.store.url, "store.url")
     # nothing is written before every input has been checked
     from fedasync.outputs import new_run_dir, write_comparison
 
