@@ -159,6 +159,7 @@ class ClockConfig(_Section):
 class StoreConfig(_Section):
     url: str | None = None  # default: sqlite:///<run dir>/fedasync.db
     save_parameters: bool = True
+    retry_for_s: float = Field(120.0, ge=0)  # database away (restart): retry each transaction this long; 0: never
 
 
 GDP_REFUSED = ("gdp is Opacus' Gaussian-DP accountant, a central-limit approximation that can underestimate "

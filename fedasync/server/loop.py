@@ -90,6 +90,7 @@ class AsyncServer:
         self.cfg = cfg
         self.transport = transport
         self.store = store
+        store.retry_for_s = cfg.store.retry_for_s  # the database away: how long each write waits (store/retry.py)
         self.virtual = clock == "virtual"
         self.clock = VirtualClock() if self.virtual else WallClock()
         self.progress = progress or (lambda ev: None)
