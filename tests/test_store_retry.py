@@ -219,7 +219,7 @@ def test_postgres_restart_mid_run(tmp_path, caplog):
         pytest.skip("FEDASYNC_TEST_POSTGRES_URL is not set (source .ci/postgres.sh)")
     ctl = _pg_ctl()
     schema = f"t_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG)
+    admin = create_engine(PG, pool_pre_ping=True)  # its connection does not survive the restart
     with admin.begin() as c:
         c.execute(text(f"CREATE SCHEMA {schema}"))
     url = f"{PG}{'&' if '?' in PG else '?'}options=-csearch_path%3D{schema}"
