@@ -37,7 +37,8 @@ class DataConfig(_Section):
 
 
 class ModelConfig(_Section):
-    name: Literal["mlp", "cnn"] = "mlp"
+    # a name in fedasync.task.models.MODELS (the registry; tests check the two agree)
+    name: Literal["mlp", "cnn", "fedavg_cnn", "resnet20"] = "mlp"
     hidden: int = Field(64, gt=0)
 
 
