@@ -65,6 +65,17 @@ def store_or_exit(url: str, key: str, must_exist: bool = False):
         fail(str(e))
 
 
+def data_or_exit(cfg: Config) -> None:
+    """Exit 2 with one line naming the key when the config's data or model cannot be built
+    (:func:`fedasync.task.check.check_data`); call it before anything is written."""
+    from fedasync.task.check import check_data
+
+    try:
+        check_data(cfg)
+    except ConfigError as e:
+        fail(str(e))
+
+
 def quiet_flower(verbose: bool) -> None:
     """Flower and Ray are chatty; keep their warnings unless --verbose asks for everything."""
     level = logging.INFO if verbose else logging.ERROR

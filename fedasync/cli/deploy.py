@@ -182,8 +182,8 @@ def server(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="More logging."),
 ) -> None:
     """Run the asynchronous server on a SuperLink, for SuperNodes started with `fedasync client`."""
-    from fedasync.cli.common import (RunProgress, check_store_or_exit, deployable_or_exit, load_or_exit,
-                                     progress_bars, summary_table)
+    from fedasync.cli.common import (RunProgress, check_store_or_exit, data_or_exit, deployable_or_exit,
+                                     load_or_exit, progress_bars, summary_table)
     from fedasync.deploy.keys import client_public_keys, supernode_auth_keys
     from fedasync.deploy.processes import parse_address
     from fedasync.deploy.run import ServerRun, check_out_dir, resolve_tls
@@ -198,6 +198,7 @@ def server(
     except RunError as e:
         fail(str(e))
     deployable_or_exit(cfg)  # privacy.reproducible_noise: exit 2
+    data_or_exit(cfg)  # data and model: exit 2 naming the key
     try:  # every input is checked before anything is written
         tls = resolve_tls(superlink, certs, ssl_certfile, ssl_keyfile, ssl_ca_certfile, root_certificates,
                           insecure, supernode_auth is not None)

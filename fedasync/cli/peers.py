@@ -10,7 +10,7 @@ from typing import Callable, Iterator, Optional
 
 from rich.table import Table
 
-from fedasync.cli.common import console, fail
+from fedasync.cli.common import console, data_or_exit, fail
 
 STORE_HELP = "SQLAlchemy URL of the store (SQLite for one machine, postgresql+psycopg://... for many)."
 
@@ -61,6 +61,7 @@ def prepare(config: Optional[str], set_: list[str], peers: Optional[int], out: O
             fail(f"--spawn: must be in 0..{n} (the number of peers), got {spawn}")
     if check is not None:
         check(cfg)
+    data_or_exit(cfg)
     if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())):
         fail(f"--out: {out} exists and is not an empty directory")
     if store is not None:  # reachable and a database, but nothing created yet

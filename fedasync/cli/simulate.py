@@ -10,8 +10,8 @@ from typing import Optional
 
 import typer
 
-from fedasync.cli.common import (RunProgress, check_store_or_exit, console, fail, load_or_exit, progress_bars,
-                                 quiet_flower, summary_table)
+from fedasync.cli.common import (RunProgress, check_store_or_exit, console, data_or_exit, fail, load_or_exit,
+                                 progress_bars, quiet_flower, summary_table)
 from fedasync.config import Config, ConfigError, apply_overrides, config_from_dict
 from fedasync.runs import RunError, resume_config, run_configs
 
@@ -74,6 +74,7 @@ def simulate(
     backend = backend or cfg.simulation.backend
     if backend not in ("flower", "local"):
         fail(f"--backend: {backend!r} is not one of flower, local")
+    data_or_exit(cfg)  # data and model (the --compare entries differ only in server)
     if resume is None and out is not None and out.exists() and any(out.iterdir()):
         fail(f"--out: {out} exists and is not empty")
     for label, c in configs:  # a store that cannot be opened: one line, before anything is written

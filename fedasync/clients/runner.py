@@ -37,18 +37,30 @@ Params = dict[str, np.ndarray]
 @functools.lru_cache(maxsize=8)
 def _setup(setup_json: str):
     from fedasync.config import DataConfig, ModelConfig, TrainConfig
-    from fedasync.task.data import load_federated
     from fedasync.task.models import build_model
     from fedasync.task.train import pick_device
 
     s = json.loads(setup_json)
-    data_cfg = DataConfig.model_validate(s["data"])
     model_cfg = ModelConfig.model_validate(s["model"])
     train_cfg = TrainConfig.model_validate(s["train"])
-    fed = load_federated(data_cfg, s["seed"])
+    if "input_shape" in s:  # sent by the server: no need for the federation's data here
+        shape, num_classes = tuple(s["input_shape"]), int(s["num_classes"])
+    else:
+        fed = _federation(setup_json)
+        shape, num_classes = fed.input_shape, fed.num_classes
+    DataConfig.model_validate(s["data"])
     device = pick_device(train_cfg.device)
-    model = build_model(model_cfg, fed.input_shape, fed.num_classes).to(device)
-    return s, fed, model, train_cfg, device
+    model = build_model(model_cfg, shape, num_classes).to(device)
+    return s, num_classes, model, train_cfg, device
+
+
+@functools.lru_cache(maxsize=8)
+def _federation(setup_json: str):
+    from fedasync.config import DataConfig
+    from fedasync.task.data import load_federated
+
+    s = json.loads(setup_json)
+    return load_federated(DataConfig.model_validate(s["data"]), s["seed"])
 
 
 def local_data(setup_json: str, client_id: int, data_path: str | None = None):
@@ -57,8 +69,7 @@ def local_data(setup_json: str, client_id: int, data_path: str | None = None):
         from fedasync.task.data import load_npz
 
         return load_npz(data_path)
-    _, fed, _, _, _ = _setup(setup_json)
-    return fed.partitions[client_id]
+    return _federation(setup_json).partitions[client_id]
 
 
 def handle_train(params: Params, config: dict[str, Any], data_path: str | None = None,
@@ -74,12 +85,12 @@ def handle_train(params: Params, config: dict[str, Any], data_path: str | None =
         return {"refused": "attack_in_deployment", "metrics": {}}
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    _s, _fed, model, train_cfg, device = _setup(config["setup"])
+    _s, num_classes, model, train_cfg, device = _setup(config["setup"])
     x, y = local_data(config["setup"], int(config["client_id"]), data_path)
     if attack and attack.get("kind") == "label_flip":
         from fedasync.clients.attack import flip_labels
 
-        y = flip_labels(y, _fed.num_classes)
+        y = flip_labels(y, num_classes)
     pconf = config.get("privacy")
     dp_metrics: dict[str, Any] = {}
     if pconf and pconf.get("local_dp"):

@@ -142,7 +142,7 @@ class AsyncServer:
         self.model_bytes = int(sum(a.nbytes for a in self.params.values()))
         self.validator = validator or UpdateValidator(self.params, cfg.server, public_keys=public_keys)
         self.base_cache: dict[int, Params] = {self.version: self.params}
-        self.setup_json = client_setup_json(cfg)
+        self.setup_json = client_setup_json(cfg, fed)
         self.privacy = None
         if cfg.privacy.local_dp.enabled or cfg.privacy.central_dp.enabled:
             from fedasync.privacy.tracker import PrivacyTracker

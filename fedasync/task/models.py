@@ -1,4 +1,9 @@
-"""Models (plain torch, no BatchNorm so Opacus can train them) and parameter helpers.
+"""Models (plain torch, no BatchNorm so Opacus can train them), their registry, and parameter helpers.
+
+The registry maps ``model.name`` to a function ``(cfg, input_shape, num_classes) -> nn.Module``;
+adding a model is one function decorated with ``@register("name")`` (and its name in
+``ModelConfig.name``).  Input shape and number of classes come from the data.  ``mlp`` and ``cnn``
+live here, ``fedavg_cnn`` and ``resnet20`` in :mod:`fedasync.task.models_cnn`.
 
 Parameters travel as ``dict[str, np.ndarray]`` (float32 copies of the ``state_dict``, in its key
 order).  ``set_params`` is strict: a missing or extra key, or a wrong shape, raises ``ValueError``
@@ -9,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from typing import Callable
 
 import numpy as np
 import torch
@@ -17,6 +23,19 @@ from torch import nn
 from fedasync.config import ModelConfig
 
 Params = dict[str, np.ndarray]
+
+#: model.name -> (cfg, input_shape, num_classes) -> a fresh nn.Module
+MODELS: dict[str, Callable[[ModelConfig, tuple[int, ...], int], nn.Module]] = {}
+
+
+def register(name: str):
+    """Decorator: ``@register("name")`` on ``def build(cfg, input_shape, num_classes) -> nn.Module``."""
+
+    def deco(fn):
+        MODELS[name] = fn
+        return fn
+
+    return deco
 
 
 class MLP(nn.Module):
@@ -89,15 +108,26 @@ class CNN(nn.Module):
         return self.head(torch.flatten(self.features(x), 1))
 
 
+@register("mlp")
+def _mlp(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return MLP(math.prod(int(s) for s in input_shape), cfg.hidden, num_classes)
+
+
+@register("cnn")
+def _cnn(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return CNN(tuple(input_shape), num_classes)
+
+
 def build_model(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """A fresh model; its initial weights come from torch's global RNG (seed it first)."""
+    import fedasync.task.models_cnn  # noqa: F401  (registers fedavg_cnn, resnet20)
+
     if num_classes < 2:
         raise ValueError(f"num_classes: {num_classes} (need at least 2)")
-    if cfg.name == "mlp":
-        return MLP(math.prod(int(s) for s in input_shape), cfg.hidden, num_classes)
-    if cfg.name == "cnn":
-        return CNN(tuple(input_shape), num_classes)
-    raise ValueError(f"model.name: unknown model {cfg.name!r}")  # pragma: no cover
+    fn = MODELS.get(cfg.name)
+    if fn is None:
+        raise ValueError(f"model.name: unknown model {cfg.name!r} (known: {', '.join(sorted(MODELS))})")
+    return fn(cfg, tuple(int(s) for s in input_shape), int(num_classes))
 
 
 def init_params(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int, seed: int) -> Params:
