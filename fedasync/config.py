@@ -159,6 +159,9 @@ class ClockConfig(_Section):
 class StoreConfig(_Section):
     url: str | None = None  # default: sqlite:///<run dir>/fedasync.db
     save_parameters: bool = True
+    # parameters kept: the latest version, every checkpoint_every-th version (0: none), and any
+    # version a live task or the strategy's buffer still refers to (see server/retention.py)
+    checkpoint_every: int = Field(100, ge=0)
 
 
 GDP_REFUSED = ("gdp is Opacus' Gaussian-DP accountant, a central-limit approximation that can underestimate "
