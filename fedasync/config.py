@@ -183,6 +183,9 @@ class StoreConfig(_Section):
     url: str | None = None  # default: sqlite:///<run dir>/fedasync.db
     save_parameters: bool = True
     retry_for_s: float = Field(120.0, ge=0)  # database away (restart): retry each transaction this long; 0: never
+    # parameters kept: the latest version, every checkpoint_every-th version (0: none), and any
+    # version a live task or the strategy's buffer still refers to (see server/retention.py)
+    checkpoint_every: int = Field(100, ge=0)
 
 
 GDP_REFUSED = ("gdp is Opacus' Gaussian-DP accountant, a central-limit approximation that can underestimate "

@@ -228,6 +228,49 @@ def test_resume_refuses_a_different_experiment():
         .startswith("server.scheduler.name is 'fair'")
 
 
+def _kept(store: Store, run_id: int) -> set[int]:
+    return set(store.versions_with_parameters(run_id))
+
+
+def _needed(store: Store, run_id: int, every: int) -> set[int]:
+    """What retention must keep: the latest version, the checkpoints, the base of every task a
+    resume re-sends and of every update still buffered."""
+    run = store.get_run(run_id)
+    ckpt = {v for v in range(run.current_version + 1) if every and v % every == 0}
+    resend = {d.base_version for d in store.dispatches(run_id)
+              if d.status in ("in_flight", "cancelled", "lost", "timeout") and d.error != "round_closed"}
+    pending = {u.base_version for u, _ in store.pending_updates(run_id)}
+    return {run.current_version} | ckpt | resend | pending
+
+
+@pytest.mark.parametrize("strategy,every,point", [("fedbuff", 0, ("record_reply", 9, False)),
+                                                  ("fedasync", 3, ("record_reply", 6, False)),
+                                                  ("fedavg", 2, ("record_dispatches", 4, False))])
+def test_retention_keeps_only_what_is_needed_and_resume_is_unchanged(tmp_path, tmp_path_factory, strategy,
+                                                                     every, point):
+    """Parameters are kept for the latest version, the checkpoints and the versions live tasks or
+    the buffer refer to, no more (every version keeps its row); a run killed and resumed under
+    retention ends exactly as the run that keeps every version (checkpoint_every: 1)."""
+    ref = reference(make_cfg(strategy, store={"checkpoint_every": 1}), tmp_path_factory)
+    cfg = make_cfg(strategy, store={"checkpoint_every": every})
+    db = tmp_path / "s.db"
+    store = store_at(db)
+    crash_at(store, point[0], point[1], point[2])
+    server = AsyncServer(cfg, LocalTransport(), store)
+    with pytest.raises(Crash):
+        server.run()
+    store = store_at(db)
+    run_id = server.run_id
+    kept = _kept(store, run_id)
+    assert kept >= _needed(store, run_id, every)
+    assert len(kept - _needed(store, run_id, every)) <= 1  # at most the one a commit in flight would drop
+    summary = AsyncServer(cfg, LocalTransport(), store, resume_run_id=run_id).run()
+    check_invariants(store, summary)
+    assert_same_run(summary, ref)
+    assert _kept(store, run_id) == _needed(store, run_id, every)
+    assert len(store.versions(run_id)) == summary["versions"] + 1  # every version keeps its row
+
+
 def test_resume_without_stored_parameters_fails_clearly(tmp_path):
     cfg = make_cfg("fedasync", store={"save_parameters": False}, server={"max_versions": 2})
     store = store_at(tmp_path / "s.db")
@@ -239,9 +282,9 @@ def test_resume_without_stored_parameters_fails_clearly(tmp_path):
 # -- real processes: kill -9 and SIGINT of `fedasync simulate` ----------------------------
 
 
-def _slow_cfg_file(tmp_path: Path) -> Path:
+def _slow_cfg_file(tmp_path: Path, **extra) -> Path:
     # emulate: each task really sleeps (about 60 ms), so that the process can be hit mid-run
-    cfg = make_cfg("fedbuff", server={"max_versions": 12}, clock={"emulate": True, "time_scale": 0.2})
+    cfg = make_cfg("fedbuff", server={"max_versions": 12}, clock={"emulate": True, "time_scale": 0.2}, **extra)
     path = tmp_path / "slow.yaml"
     path.write_text(cfg.to_yaml())
     return path
@@ -338,6 +381,45 @@ def test_sigint_stops_gracefully_then_resume(tmp_path, slow_reference):
     check_invariants(Store(f"sqlite:///{db}", create=False), summary)
     for k in ("versions", "model_sha256", "updates_received", "updates_accepted", "rejections"):
         assert summary[k] == slow_reference[k], k
+
+
+def _big_model() -> str:
+    """``fedavg_cnn`` (McMahan et al. 2017) where the model registry has it, else ``cnn``."""
+    from fedasync.config import ConfigError
+
+    try:
+        make_cfg("fedbuff", model={"name": "fedavg_cnn"})
+        return "fedavg_cnn"
+    except ConfigError:
+        return "cnn"
+
+
+def test_sigkill_a_cnn_run_with_retention_then_resume(tmp_path):
+    """kill -9 of a CNN run that keeps only the latest version's parameters (checkpoint_every: 0),
+    then --resume: the same model as the run never interrupted."""
+    extra = {"model": {"name": _big_model()}, "store": {"checkpoint_every": 0}}
+    cfg_file, out = _slow_cfg_file(tmp_path, **extra), tmp_path / "run"
+    cfg = config_from_dict(yaml.safe_load(cfg_file.read_text()))
+    ref = AsyncServer(cfg.model_copy(update={"clock": cfg.clock.model_copy(update={"emulate": False})}),
+                      LocalTransport(), store_at(tmp_path / "ref.db")).run()
+    db = out / "fedasync.db"
+    p = _start_simulate([str(cfg_file), "--out", str(out)], tmp_path / "first.log")
+    try:
+        _wait_for_version(db, 5, p, tmp_path / "first.log")
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        _stop(p)
+    store = Store(f"sqlite:///{db}", create=False)
+    assert store.get_run(1).status == "running" and store.get_run(1).current_version < 12
+    assert _kept(store, 1) - _needed(store, 1, 0) <= {store.get_run(1).current_version - 1}
+    r = subprocess.run([FEDASYNC, "simulate", "--backend", "local", "--resume", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    check_invariants(Store(f"sqlite:///{db}", create=False), summary)
+    assert_same_run(summary, ref)
+    assert _kept(store, 1) == _needed(store, 1, 0)
 
 
 def test_simulate_resume_checks_its_inputs(tmp_path):

@@ -52,6 +52,7 @@ from fedasync.server import resume
 from fedasync.server.clock import VirtualClock, WallClock, make_profiles, task_duration
 from fedasync.server.control import ROUND_CLOSED, StopControl, cancel_dropped, no_task_reason
 from fedasync.server.records import as_int, replay_row, update_row
+from fedasync.server.retention import Retention
 from fedasync.server.scheduler import make_scheduler
 from fedasync.server.strategies import Update, make_strategy, params_sha256
 from fedasync.server.summary import build_summary
@@ -137,6 +138,7 @@ class AsyncServer:
                 {"client_id": p.client_id, "profile": p.__dict__} for p in self.profiles
             ])
             store.add_initial_version(self.run_id, self.params, params_sha256(self.params))
+            self.retention = Retention(cfg.store.checkpoint_every, cfg.store.save_parameters, held=[0])
         else:
             resume.restore(self, resume_run_id)
         self.model_bytes = int(sum(a.nbytes for a in self.params.values()))
@@ -228,7 +230,7 @@ class AsyncServer:
     def _finish(self, status: str) -> dict:
         if not self.history or self.history[-1]["version"] != self.version:
             self._evaluate()
-        self.store.mark_in_flight(self.run_id, "cancelled")
+        self.store.mark_in_flight(self.run_id, "cancelled", drop_params=self._release())
         summary = self.summary()
         self.store.set_run_status(self.run_id, status, self.stop_reason, summary)
         return summary
@@ -392,13 +394,14 @@ class AsyncServer:
             self.closed[t.message_id] = (t.task_id, t.client_id)
         if reply.error is not None:
             self.failed += 1
-            self.store.set_dispatch_status(self.run_id, t.task_id, "failed", reply.error)
+            self.store.set_dispatch_status(self.run_id, t.task_id, "failed", reply.error,
+                                           drop_params=self._release())
             log.warning("task %d (client %d) failed: %s", t.task_id, t.client_id, reply.error)
         elif reply.refused is not None:
             self.exhausted.add(t.client_id)
             self.store.mark_exhausted(self.run_id, t.client_id, reply.refused)
             self.store.set_dispatch_status(self.run_id, t.task_id, "refused", reply.refused,
-                                           loop_state=resume.loop_state(self))
+                                           loop_state=resume.loop_state(self), drop_params=self._release())
         else:
             self._take(t, reply)
             self._emit()
@@ -441,10 +444,15 @@ class AsyncServer:
         privacy, client_state = (None, None) if self.privacy is None else \
             self.privacy.on_reply(t.client_id, t.task_id, reply.metrics)  # DP: privacy_spend row, accountant
         status = dispatch_status or ("late" if t.timed_out else "replied")
+        if row["pending_params"] is not None:
+            self.retention.buffered(t.task_id, t.base_version)
         self.store.record_reply(self.run_id, t.task_id, row, status,
                                 new_version, resume.loop_state(self),
-                                self.clock.now, privacy=privacy, client_state=client_state)
+                                self.clock.now, privacy=privacy, client_state=client_state,
+                                drop_params=self._release())
         if new_version is not None:
+            if new_version["params"] is not None:
+                self.retention.stored(self.version)
             cancel_dropped(self)
             self._prune_cache()
             if self.version % self.cfg.server.eval_every == 0:
@@ -460,6 +468,11 @@ class AsyncServer:
             "params": new if self.cfg.store.save_parameters else None,
             "task_ids": self.strategy.last_aggregated(),
         }
+
+    def _release(self) -> list[int]:
+        """Versions whose stored parameters nothing needs now (see ``server/retention.py``)."""
+        return self.retention.release(self.version, (t.base_version for t in self.live.values()),
+                                      self.strategy.pending())
 
     def _prune_cache(self) -> None:
         keep = {t.base_version for t in self.live.values()} | {self.version}

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from fedasync.config import Config
 from fedasync.server.clock import WallClock
 from fedasync.server.control import ROUND_CLOSED
+from fedasync.server.retention import Retention
 from fedasync.server.strategies import Update
 from fedasync.server.transport import Live, TaskMsg
 from fedasync.store import dumps_state, loads_state
@@ -73,8 +74,11 @@ def restore(srv: AsyncServer, run_id: int) -> None:
             srv.clock.advance_to(state["virtual_time"])
         else:
             srv.clock = WallClock(offset=state["virtual_time"])
+    srv.retention = Retention(srv.cfg.store.checkpoint_every, srv.cfg.store.save_parameters,
+                              held=store.versions_with_parameters(run_id))
     # re-add the accepted updates that were still buffered (none produced a version yet)
     for u, params in store.pending_updates(run_id):
+        srv.retention.buffered(u.task_id, u.base_version)
         _, base = store.load_version(run_id, u.base_version)
         srv.strategy.add(srv.params, Update(
             task_id=u.task_id, client_id=u.client_id, params=params, base_params=base,

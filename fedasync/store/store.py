@@ -231,11 +231,25 @@ class Store:
             s.execute(_update(S.Run).where(S.Run.id == run_id).values(next_task_id=task_id + 1))
 
     def set_dispatch_status(self, run_id: int, task_id: int, status: str, error: str | None = None,
-                            loop_state: str | None = None) -> None:
+                            loop_state: str | None = None, drop_params: list[int] | None = None) -> None:
         with self.session() as s:
             self._set_dispatch(s, run_id, task_id, status, error)
+            self._drop_params(s, run_id, drop_params)
             if loop_state is not None:
                 s.execute(_update(S.Run).where(S.Run.id == run_id).values(loop_state=loop_state))
+
+    @staticmethod
+    def _drop_params(s: Session, run_id: int, versions: list[int] | None) -> None:
+        """Retention: forget the parameters of ``versions`` (their rows stay)."""
+        if versions:
+            s.execute(_update(S.ModelVersion)
+                      .where(S.ModelVersion.run_id == run_id, S.ModelVersion.version.in_(versions))
+                      .values(parameters=None))
+
+    def versions_with_parameters(self, run_id: int) -> list[int]:
+        with self.session() as s:
+            return list(s.scalars(select(S.ModelVersion.version).where(
+                S.ModelVersion.run_id == run_id, S.ModelVersion.parameters.is_not(None))))
 
     @staticmethod
     def _set_dispatch(s: Session, run_id: int, task_id: int, status: str, error: str | None) -> None:
@@ -244,11 +258,14 @@ class Store:
 
     def record_reply(self, run_id: int, task_id: int, update_row: dict, dispatch_status: str,
                      new_version: dict | None, loop_state: str, virtual_time: float,
-                     privacy: dict | list[dict] | None = None, client_state: dict | None = None) -> None:
+                     privacy: dict | list[dict] | None = None, client_state: dict | None = None,
+                     drop_params: list[int] | None = None) -> None:
         """One transaction: the update (accepted or rejected), the dispatch's status, the model
         version it produced (with the ids of every update aggregated into it), the run's
-        current version and resumable loop state, and the client's privacy spend."""
+        current version and resumable loop state, the client's privacy spend, and the
+        parameters of ``drop_params`` versions forgotten (retention)."""
         with self.session() as s:
+            self._drop_params(s, run_id, drop_params)
             row = dict(update_row)
             if row.get("pending_params") is not None:
                 row["pending_params"] = encode_params(row["pending_params"])
@@ -338,9 +355,10 @@ class Store:
         with self.session() as s:
             return list(s.scalars(select(S.Update).where(S.Update.run_id == run_id).order_by(S.Update.task_id)))
 
-    def mark_in_flight(self, run_id: int, status: str) -> int:
+    def mark_in_flight(self, run_id: int, status: str, drop_params: list[int] | None = None) -> int:
         """Close every dispatch still in flight (at the end of a run, or on resume). Returns the count."""
         with self.session() as s:
+            self._drop_params(s, run_id, drop_params)
             res = s.execute(_update(S.Dispatch)
                             .where(S.Dispatch.run_id == run_id, S.Dispatch.status == "in_flight")
                             .values(status=status, done_wall=time.time()))
