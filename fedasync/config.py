@@ -366,12 +366,28 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in loc if not str(p).startswith("function-")) or "<root>"
 
 
+def _known_keys(section: tuple[Any, ...]) -> list[str]:
+    """The keys of the config section at ``section`` (a pydantic error location), or []."""
+    model: Any = Config
+    for part in section:
+        field = getattr(model, "model_fields", {}).get(str(part))
+        if field is None:
+            return []
+        ann = field.annotation
+        model = next((a for a in (ann, *getattr(ann, "__args__", ())) if isinstance(a, type)
+                      and issubclass(a, BaseModel)), None)
+        if model is None:
+            return []
+    return [f.alias or k for k, f in model.model_fields.items()]
+
+
 def _format_error(err: ValidationError) -> str:
     e = err.errors()[0]
     loc = _loc(e["loc"])
     msg = e["msg"]
     if e["type"] == "extra_forbidden":
-        return f"{loc}: unknown key"
+        known = _known_keys(e["loc"][:-1])
+        return f"{loc}: unknown key" + (f"; known: {', '.join(known)}" if known else "")
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
         # cross-field errors carry their own key path ("server.x: ...")

@@ -146,6 +146,9 @@ def summary_table(rows: dict[str, dict], title: str) -> Table:
         ("time to target (virtual s)", lambda s: fmt(s["time_to_target_s"], ".1f")),
         ("staleness mean / p95", lambda s: "-" if s["staleness"]["mean"] is None
          else f"{s['staleness']['mean']:.2f} / {s['staleness']['p95']:.0f}"),
+        ("Jain's index (dispatches)", lambda s: fmt((s.get("participation") or {}).get("jain"), ".3f")),
+        ("rejected by filter", lambda s: "-" if not s.get("robust") or s["robust"]["filter"] == "none"
+         else str(sum(s["robust"]["rejected"].values()))),
         ("stopped by", lambda s: str(s.get("stop_reason") or "-")),
     ]
     for name, get in figures:

@@ -29,6 +29,7 @@ from typing import Optional
 import typer
 
 from fedasync.cli.common import console, err_console, fail
+from fedasync.config import ConfigError, check_no_attack
 from fedasync.deploy import DeployError
 
 
@@ -199,6 +200,10 @@ def server(
         fail(str(e))
     deployable_or_exit(cfg)  # privacy.reproducible_noise: exit 2
     data_or_exit(cfg)  # data and model: exit 2 naming the key
+    try:  # attack: simulation only
+        check_no_attack(cfg)
+    except ConfigError as e:
+        fail(str(e))
     try:  # every input is checked before anything is written
         tls = resolve_tls(superlink, certs, ssl_certfile, ssl_keyfile, ssl_ca_certfile, root_certificates,
                           insecure, supernode_auth is not None)

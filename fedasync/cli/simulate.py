@@ -108,7 +108,7 @@ def simulate(
     for label, d in out_dirs.items():
         s = summaries[label]
         console.print(f"[bold]{label}[/bold]: {d / 'summary.json'}, {d / 'history.csv'}, "
-                      f"{d / 'accuracy.png'}, {d / 'config.yaml'}; store {s['store_url']}")
+                      f"{d / 'accuracy.png'}, {d / 'participation.png'}, {d / 'config.yaml'}; store {s['store_url']}")
     for label, s in summaries.items():
         if s["stop_reason"] == "interrupted":
             console.print(f"{label}: stopped; continue with --resume {s['run_id']} --out {out_dirs[label]}")
