@@ -9,7 +9,8 @@ writes nothing itself: the ServerApp writes the run directory (``summary.json``,
 ``accuracy.png``, ``config.yaml``, the store, ``server.log``). Ctrl-C asks the ServerApp to stop
 (the run is marked ``stopped``; ``--resume`` continues it); a second Ctrl-C stops the Flower run.
 
-``fedasync client`` replaces itself with ``flower-supernode`` running the fedasync ClientApp;
+``fedasync client`` replaces itself with the device's SuperNode (:mod:`fedasync.deploy.supernode`:
+Flower's ``flower-supernode`` with a shorter poll, and a warm trainer, :mod:`fedasync.clients.warm`);
 the node config carries ``partition-id``, ``num-partitions``, ``data-path``, ``signing-key``,
 ``device`` and ``privacy-state-dir`` (see ``fedasync.clients.app``).
 
@@ -105,8 +106,12 @@ def client(
                                                      help="Where this device keeps its DP accountant."),
     max_wait_time: Optional[float] = typer.Option(None, "--max-wait-time",
                                                   help="Give up after this many seconds without the SuperLink."),
+    poll_interval: float = typer.Option(1.0, "--poll-interval", help="Seconds between the SuperNode's requests "
+                                        "for a message when it has none (Flower's own: 3)."),
+    warm: bool = typer.Option(True, "--warm/--no-warm", help="Keep a warm trainer (torch, data, model loaded "
+                              "once; a forked process per task) instead of a new flwr-clientapp per message."),
 ) -> None:
-    """Run this device's SuperNode (flower-supernode with the fedasync ClientApp)."""
+    """Run this device's SuperNode (flower-supernode with the fedasync ClientApp and a warm trainer)."""
     from fedasync.deploy.processes import child_env, parse_address, supernode_command
 
     try:
@@ -147,11 +152,12 @@ def client(
         fail(f"--port: {port} is not a port")
     try:
         cmd = supernode_command(superlink, partition_id, num_partitions, data, root_certificates, insecure, auth_key,
-                                signing_key, port, device, privacy_state_dir, max_wait_time)
+                                signing_key, port, device, privacy_state_dir, max_wait_time, poll_interval, warm)
     except DeployError as e:
         fail(str(e), e.code)
     err_console.print(f"fedasync client {partition_id}/{num_partitions}: starting flower-supernode "
-                      f"(SuperLink {superlink})", highlight=False)
+                      f"(SuperLink {superlink}, poll every {poll_interval:g} s, "
+                      f"{'warm trainer' if warm else 'a flwr-clientapp process per message'})", highlight=False)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(cmd[0], cmd, child_env())

@@ -35,6 +35,19 @@ Params = dict[str, np.ndarray]
 
 
 @functools.lru_cache(maxsize=8)
+def _federated(data_json: str, seed: int):
+    from fedasync.config import DataConfig
+    from fedasync.task.data import load_federated
+
+    return load_federated(DataConfig.model_validate(json.loads(data_json)), seed)
+
+
+def _federation(setup_json: str):
+    s = json.loads(setup_json)
+    return _federated(json.dumps(s["data"], sort_keys=True), s["seed"])
+
+
+@functools.lru_cache(maxsize=8)
 def _setup(setup_json: str):
     from fedasync.config import DataConfig, ModelConfig, TrainConfig
     from fedasync.task.models import build_model
@@ -54,22 +67,38 @@ def _setup(setup_json: str):
     return s, num_classes, model, train_cfg, device
 
 
-@functools.lru_cache(maxsize=8)
-def _federation(setup_json: str):
-    from fedasync.config import DataConfig
-    from fedasync.task.data import load_federated
+@functools.lru_cache(maxsize=4)
+def _npz(path: str, mtime_ns: int, size: int):
+    from fedasync.task.data import load_npz
 
-    s = json.loads(setup_json)
-    return load_federated(DataConfig.model_validate(s["data"]), s["seed"])
+    return load_npz(path)
 
 
 def local_data(setup_json: str, client_id: int, data_path: str | None = None):
-    """This client's partition: from a device's own .npz when given, else generated from the setup."""
+    """This client's partition: from a device's own .npz when given (read once while the file is
+    unchanged), else generated from the setup."""
     if data_path:
-        from fedasync.task.data import load_npz
+        import os
 
-        return load_npz(data_path)
+        st = os.stat(data_path)
+        return _npz(str(data_path), st.st_mtime_ns, st.st_size)
     return _federation(setup_json).partitions[client_id]
+
+
+def warm(setup_json: str, client_id: int | None = None, data_path: str | None = None) -> None:
+    """Load what a task of this setup needs (data, and the model when it trains on the CPU) into
+    this process's caches, for the task processes forked from it (:mod:`fedasync.clients.warm`).
+    A GPU is never touched here: CUDA does not survive a fork, so a task on ``cuda``/``mps``/
+    ``auto`` builds its model in its own process (the data is still shared)."""
+    torch.set_num_threads(1)
+    s = json.loads(setup_json)
+    fed = _federated(json.dumps(s["data"], sort_keys=True), s["seed"])
+    if str(s.get("train", {}).get("device", "auto")).lower() == "cpu":
+        _setup(setup_json)
+    if data_path:
+        local_data(setup_json, client_id or 0, data_path)
+    elif client_id is not None and 0 <= client_id < len(fed.partitions):
+        fed.partitions[client_id]
 
 
 def handle_train(params: Params, config: dict[str, Any], data_path: str | None = None,
