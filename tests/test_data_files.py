@@ -208,7 +208,7 @@ BAD_CASES = [
                                  "data.partition_column=author"], "data.partition_column"),
     ("shape", ["data.path={files}/xy.npz", "data.shape=[7, 7]"], "data.shape"),
     ("no path", ["data.path=null"], "data.path"),
-    ("model does not fit", ["data.path={files}/xy.npz", "model.name=fedavg_cnn", "data.shape=[64]",
+    ("model does not fit", ["data.path={files}/xy.npz", "model.name=fedavg_cnn", "data.shape=[2, 2, 2, 2, 2, 2]",
                             "data.partitioner=iid"], "model.name"),
 ]
 
@@ -331,7 +331,8 @@ def test_a_device_builds_the_model_from_the_setup_without_the_files(files, tmp_p
     from fedasync.server.transport import client_setup_json
 
     cfg = load_config(None, ["data.dataset=files", f"data.path={files['npz']}", "data.num_clients=6",
-                             "data.partitioner=iid", "model.name=cnn", "train.local_steps=2"])
+                             "data.partitioner=iid", "model.name=cnn", "train.local_steps=2",
+                             "server.concurrency=2", "server.buffer_size=2"])
     fed = load_federated(cfg.data, cfg.seed)
     setup = json.loads(client_setup_json(cfg, fed))
     assert setup["input_shape"] == [8, 8] and setup["num_classes"] == CLASSES

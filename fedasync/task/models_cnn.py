@@ -26,7 +26,10 @@ class _Image(nn.Module):
 
     def __init__(self, input_shape: tuple[int, ...], name: str) -> None:
         super().__init__()
-        channels, spatial, self.channels_last = conv_layout(input_shape)
+        try:
+            channels, spatial, self.channels_last = conv_layout(input_shape)
+        except ValueError:
+            spatial = ()
         if len(spatial) != 2:
             raise ValueError(f"model.name {name}: needs 2-D images, the data's samples have shape "
                              f"{tuple(input_shape)} (set data.shape, e.g. [28, 28])")
