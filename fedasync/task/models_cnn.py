@@ -1,4 +1,4 @@
-"""Image models of the literature, registered in :data:`fedasync.task.models.MODELS`.
+"""Image models of the literature, registered in :data:`fedasync.task.registry.MODELS`.
 
 * ``fedavg_cnn`` - the CNN of McMahan et al. 2017 ("Communication-efficient learning of deep
   networks from decentralized data"): two 5x5 convolutions (32 and 64 channels, "same" padding),
@@ -8,7 +8,7 @@
   channels, global average pooling) with GroupNorm instead of BatchNorm, so Opacus' per-sample
   gradients apply (BatchNorm mixes samples of a batch).  ~0.27M parameters.
 
-Both take any image-like input through :func:`fedasync.task.models.conv_layout` (flat square
+Both take any image-like input through :func:`fedasync.task.registry.conv_layout` (flat square
 vectors, ``(H, W)``, ``(H, W, C)`` or ``(C, H, W)``).
 """
 
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from fedasync.config import ModelConfig
-from fedasync.task.models import conv_layout, register
+from fedasync.task.registry import conv_layout, register
 
 
 class _Image(nn.Module):
@@ -26,7 +26,10 @@ class _Image(nn.Module):
 
     def __init__(self, input_shape: tuple[int, ...], name: str) -> None:
         super().__init__()
-        channels, spatial, self.channels_last = conv_layout(input_shape)
+        try:
+            channels, spatial, self.channels_last = conv_layout(input_shape)
+        except ValueError:
+            spatial = ()
         if len(spatial) != 2:
             raise ValueError(f"model.name {name}: needs 2-D images, the data's samples have shape "
                              f"{tuple(input_shape)} (set data.shape, e.g. [28, 28])")
