@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
-from sqlalchemy import create_engine, event, func, insert, select, update
+from sqlalchemy import bindparam, create_engine, event, func, insert, select, update
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -29,6 +29,15 @@ Params = dict[str, np.ndarray]
 # tables of the hot path (Core statements)
 _RUN, _C, _D, _U, _MV, _PS = (m.__table__ for m in (S.Run, S.Client, S.Dispatch, S.Update, S.ModelVersion,
                                                    S.PrivacySpend))
+_B = bindparam
+_SET_DISPATCH = update(_D).where(_D.c.run_id == _B("b_run"), _D.c.task_id == _B("b_task")) \
+    .values(status=_B("b_status"), error=_B("b_error"), done_wall=_B("b_now"))
+_RUN_STEP = update(_RUN).where(_RUN.c.id == _B("b_run")).values(loop_state=_B("b_state"), virtual_time=_B("b_vt"))
+_RUN_VERSION = _RUN_STEP.values(current_version=_B("b_cv"))
+_RUN_DISPATCH = _RUN_STEP.values(next_task_id=_B("b_next"))
+_APPLIED = update(_U).where(_U.c.run_id == _B("b_run"), _U.c.task_id.in_(_B("b_ids", expanding=True))) \
+    .values(applied_in_version=_B("b_v"), pending_params=None)
+_INSERT_U, _INSERT_MV, _INSERT_D = insert(_U), insert(_MV), insert(_D)
 
 
 # -- codecs --------------------------------------------------------------------------
@@ -44,6 +53,32 @@ def encode_params(params: Params) -> bytes:
 def decode_params(blob: bytes) -> Params:
     with np.load(io.BytesIO(blob), allow_pickle=False) as z:
         return {k: z[k].copy() for k in z.files}
+
+
+_PACK = b"FAP1"
+
+
+def pack_params(params: Params) -> bytes:
+    """The store's own format for ``model_versions.parameters`` and ``updates.pending_params``:
+    ``FAP1``, a JSON header (names, dtypes, shapes), the raw arrays. Exact round trip, ~10x cheaper
+    than ``.npz`` (this is on the loop's hot path); :func:`unpack_params` reads both."""
+    arrays = [np.ascontiguousarray(a) for a in params.values()]
+    head = json.dumps([[k, a.dtype.str, list(a.shape)] for k, a in zip(params, arrays)]).encode()
+    return b"".join([_PACK, len(head).to_bytes(4, "little"), head, *(a.tobytes() for a in arrays)])
+
+
+def unpack_params(blob: bytes) -> Params:
+    if not blob.startswith(_PACK):
+        return decode_params(blob)  # .npz, written before 0.x
+    n = int.from_bytes(blob[4:8], "little")
+    out, pos = {}, 8 + n
+    for k, dt, shape in json.loads(blob[8:pos]):
+        dtype = np.dtype(dt)
+        size = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        out[k] = np.frombuffer(blob, dtype=dtype, count=size // dtype.itemsize if dtype.itemsize else 0,
+                               offset=pos).reshape(shape).copy()
+        pos += size
+    return out
 
 
 def _enc(obj: Any) -> Any:
@@ -117,6 +152,7 @@ class Store:
             upgrade(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._batch: list[Callable[[Connection], Any]] | None = None
+        self._next_task: dict[int, int] = {}  # run id -> next task id as committed by this store
 
     def close(self) -> None:
         self.engine.dispose()
@@ -188,7 +224,7 @@ class Store:
                      num_updates: int, virtual: float) -> S.ModelVersion:
         return S.ModelVersion(
             run_id=run_id, version=version, parent=parent, sha256=sha,
-            parameters=encode_params(params) if params is not None else None,
+            parameters=pack_params(params) if params is not None else None,
             num_updates=num_updates, created_virtual=virtual, created_wall=time.time(),
         )
 
@@ -205,7 +241,7 @@ class Store:
             row = s.scalars(q.order_by(S.ModelVersion.version.desc()).limit(1)).first()
             if row is None:
                 raise KeyError(f"run {run_id}: no stored parameters for version {version}")
-            return row.version, decode_params(row.parameters)
+            return row.version, unpack_params(row.parameters)
 
     def versions(self, run_id: int) -> list[S.ModelVersion]:
         with self.session() as s:
@@ -284,8 +320,8 @@ class Store:
 
     @staticmethod
     def _set_dispatch(c: Connection, run_id: int, task_id: int, status: str, error: str | None, now: float) -> None:
-        c.execute(update(_D).where(_D.c.run_id == run_id, _D.c.task_id == task_id)
-                  .values(status=status, error=error, done_wall=now))
+        c.execute(_SET_DISPATCH, {"b_run": run_id, "b_task": task_id, "b_status": status, "b_error": error,
+                                  "b_now": now})
 
     def record_reply(self, run_id: int, task_id: int, update_row: dict, dispatch_status: str,
                      new_version: dict | None, loop_state: str, virtual_time: float,
@@ -297,29 +333,31 @@ class Store:
         privacy spend, and the parameters of ``drop_params`` versions forgotten (retention)."""
         now = time.time()
         row = dict(update_row, run_id=run_id, task_id=task_id, received_wall=now)
-        row["pending_params"] = encode_params(row["pending_params"]) if row.get("pending_params") is not None \
+        row["pending_params"] = pack_params(row["pending_params"]) if row.get("pending_params") is not None \
             else None
-        values: dict[str, Any] = {"loop_state": loop_state, "virtual_time": virtual_time}
         version_row = None
         if new_version is not None:
             params = new_version.get("params")
             version_row = {
                 "run_id": run_id, "version": new_version["version"], "parent": new_version["parent"],
-                "sha256": new_version["sha256"], "parameters": encode_params(params) if params is not None else None,
+                "sha256": new_version["sha256"], "parameters": pack_params(params) if params is not None else None,
                 "num_updates": len(new_version["task_ids"]), "created_virtual": virtual_time, "created_wall": now}
-            values["current_version"] = new_version["version"]
         spends = [dict(r, run_id=run_id, task_id=task_id, recorded_wall=now)
                   for r in ([privacy] if isinstance(privacy, dict) else privacy or [])]
 
+        run_values = {"b_run": run_id, "b_state": loop_state, "b_vt": virtual_time}
+
         def op(c: Connection) -> None:
-            c.execute(insert(_U), row)
+            c.execute(_INSERT_U, row)
             self._set_dispatch(c, run_id, task_id, dispatch_status, None, now)
             if version_row is not None:
-                c.execute(insert(_MV), version_row)
-                c.execute(update(_U).where(_U.c.run_id == run_id, _U.c.task_id.in_(new_version["task_ids"]))
-                          .values(applied_in_version=version_row["version"], pending_params=None))
+                c.execute(_INSERT_MV, version_row)
+                c.execute(_APPLIED, {"b_run": run_id, "b_ids": list(new_version["task_ids"]),
+                                     "b_v": version_row["version"]})
+                c.execute(_RUN_VERSION, dict(run_values, b_cv=version_row["version"]))
+            else:
+                c.execute(_RUN_STEP, run_values)
             self._drop_params(c, run_id, drop_params)
-            c.execute(update(_RUN).where(_RUN.c.id == run_id).values(**values))
             if spends:
                 c.execute(insert(_PS), spends)
             if client_state:
@@ -351,16 +389,24 @@ class Store:
 
         def op(c: Connection) -> None:
             if out:
-                ids = [r["task_id"] for r in out]
-                old = set(c.scalars(select(_D.c.task_id).where(_D.c.run_id == run_id, _D.c.task_id.in_(ids))))
+                # only a task id below the next id this store committed may exist already (a re-send)
+                known = self._next_task.get(run_id, 0)
+                ids = [r["task_id"] for r in out if r["task_id"] < known or run_id not in self._next_task]
+                old = set(c.scalars(select(_D.c.task_id).where(_D.c.run_id == run_id, _D.c.task_id.in_(ids)))) \
+                    if ids else set()
                 new = [r for r in out if r["task_id"] not in old]
                 if new:
-                    c.execute(insert(_D), new)
+                    c.execute(_INSERT_D, new)
                 for r in out:
                     if r["task_id"] in old:
                         c.execute(update(_D).where(_D.c.run_id == run_id, _D.c.task_id == r["task_id"])
                                   .values(**{k: v for k, v in r.items() if k not in ("run_id", "task_id")}))
-            c.execute(update(_RUN).where(_RUN.c.id == run_id).values(**values))
+            if loop_state is not None and virtual_time is not None:
+                c.execute(_RUN_DISPATCH, {"b_run": run_id, "b_state": loop_state, "b_vt": virtual_time,
+                                          "b_next": next_task_id})
+            else:
+                c.execute(update(_RUN).where(_RUN.c.id == run_id).values(**values))
+            self._next_task[run_id] = max(next_task_id, self._next_task.get(run_id, 0))
         self._write(op)
 
     def record_replay(self, run_id: int, row: dict) -> None:
@@ -385,7 +431,7 @@ class Store:
                                                     S.Update.applied_in_version.is_(None),
                                                     S.Update.pending_params.is_not(None))
                              .order_by(S.Update.id))  # the order they were added in (float sums)
-            return [(r, decode_params(r.pending_params)) for r in rows]
+            return [(r, unpack_params(r.pending_params)) for r in rows]
 
     def dispatches(self, run_id: int, status: str | None = None) -> list[S.Dispatch]:
         with self.session() as s:
