@@ -248,3 +248,53 @@ def test_a_short_run_on_the_store(url, tmp_path):
     assert summary["model_sha256"] == ref["model_sha256"]  # the database does not change the run
     assert store.get_run(summary["run_id"]).status == "finished"
     assert store.counts(summary["run_id"])["versions"] == 4
+
+
+def test_one_transaction_per_step_and_a_crash_inside_it_loses_nothing_committed(tmp_path):
+    """Under the virtual clock each step of the loop (the dispatches filling free slots, the
+    replies taken at the next virtual instant, the versions and evaluations they made) is one
+    transaction: a reply is never committed without its version, nor a version without its reply.
+    A crash in the middle of that transaction (after some of its statements ran) leaves the store
+    at the previous step, and the resumed run is the run never interrupted."""
+    from collections import Counter
+
+    from fedasync.config import config_from_dict
+    from fedasync.server.loop import AsyncServer
+    from fedasync.server.transport import LocalTransport
+
+    cfg = config_from_dict({"seed": 3, "data": {"num_clients": 8, "partitioner": "iid"}, "model": {"hidden": 8},
+                            "train": {"local_steps": 2, "batch_size": 8},
+                            "server": {"strategy": "fedasync", "concurrency": 3, "max_versions": 12, "eval_every": 4}})
+    ref = AsyncServer(cfg, LocalTransport(), Store(f"sqlite:///{tmp_path / 'ref.db'}")).run()
+
+    class Crash(BaseException):
+        pass
+
+    store = Store(f"sqlite:///{tmp_path / 's.db'}")
+    commits: list[Counter] = []
+    orig = store._commit
+
+    def commit(ops):
+        kinds = Counter(op.__qualname__.split(".")[1] for op in ops)
+        commits.append(kinds)
+        if len(commits) == 9:  # die half-way through this transaction's statements
+            def die(c):
+                raise Crash("killed inside the transaction")
+            ops = ops[: len(ops) // 2] + [die]
+        return orig(ops)
+
+    store._commit = commit
+    with pytest.raises(Crash):
+        AsyncServer(cfg, LocalTransport(), store).run()
+    assert commits[0] == {"record_eval": 1}  # v0's evaluation, before the loop
+    steps = commits[1:-1]
+    assert len(steps) == 7
+    # each step: the dispatch that filled the free slot and the reply taken next (with its version)
+    assert all(c["record_dispatches"] == 1 and c["record_reply"] == 1 for c in steps)
+    assert [c["record_eval"] for c in steps] == [0, 0, 0, 1, 0, 0, 0]  # eval_every 4: inside its step
+    store2 = Store(f"sqlite:///{tmp_path / 's.db'}")
+    run = store2.get_run(1)
+    assert run.current_version == len(steps)  # FedAsync: a version per reply; the 8th step left nothing
+    assert len(store2.updates(1)) == run.current_version and len(store2.versions(1)) == run.current_version + 1
+    summary = AsyncServer(cfg, LocalTransport(), store2, resume_run_id=1).run()
+    assert summary["model_sha256"] == ref["model_sha256"] and summary["history"] == ref["history"]

@@ -41,6 +41,7 @@ Semantics (see docs in README "How the asynchronous loop works"):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, Callable
@@ -172,24 +173,26 @@ class AsyncServer:
             if self.virtual and self.live and self._next_events()[0] <= self.clock.now:
                 self._step_virtual()  # resumed in the middle of a batch of replies due at one instant
             while True:
-                reason = self._should_stop()
-                if reason:
-                    self.stop_reason = reason
-                    break
-                self._fill()
-                if not self.live:
-                    if self._wait_for_clients():
-                        continue
-                    self.stop_reason = no_task_reason(self.cfg.data.num_clients, len(self.exhausted),
-                                                      self.available_clients is not None)
-                    break
-                self._no_client_since = None
-                if self.virtual:
-                    self._step_virtual()
-                    if self.stop_reason:
+                # virtual clock: one transaction per step (its dispatches, replies, versions, evaluations)
+                with self.store.batch() if self.virtual else contextlib.nullcontext():
+                    reason = self._should_stop()
+                    if reason:
+                        self.stop_reason = reason
                         break
-                else:
-                    self._step_wall()
+                    self._fill()
+                    if not self.live:
+                        if self._wait_for_clients():
+                            continue
+                        self.stop_reason = no_task_reason(self.cfg.data.num_clients, len(self.exhausted),
+                                                          self.available_clients is not None)
+                        break
+                    self._no_client_since = None
+                    if self.virtual:
+                        self._step_virtual()
+                        if self.stop_reason:
+                            break
+                    else:
+                        self._step_wall()
         except KeyboardInterrupt:
             self.stop_reason = "interrupted"
             resume.sync_counts(self)  # an abrupt stop may leave counters ahead of the store
