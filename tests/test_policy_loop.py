@@ -105,13 +105,13 @@ def test_resume_keeps_the_policies_state(extra, tmp_path):
     ref, _, _ = run(cfg, tmp_path, "ref")
     store = Store(f"sqlite:///{tmp_path / 'crash'}.db")
     server = AsyncServer(cfg, LocalTransport(), store, clock="virtual")
-    crash_after(store, "record_reply", 17)
+    crash_after(store, "record_reply", 9)
     with pytest.raises(Crash):
         server.run()
     before = server.scheduler.state_dict()
     store2 = Store(f"sqlite:///{tmp_path / 'crash'}.db")
     resumed = AsyncServer(cfg, LocalTransport(), store2, clock="virtual", resume_run_id=server.run_id)
-    assert resumed.scheduler.state_dict() == before  # restored as committed with the 17th reply
+    assert resumed.scheduler.state_dict() == before  # restored as committed with the 9th reply
     out = resumed.run()
     for k in ("model_sha256", "versions", "updates_received", "rejections", "participation", "virtual_time_s"):
         assert out[k] == ref[k], k
