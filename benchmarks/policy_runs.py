@@ -58,18 +58,25 @@ def median(xs: list[float | None]) -> float | None:
 
 def run_grid(grid: list[tuple[str, list[str]]], seeds: list[int], path: Path,
              extract: Callable[[dict], dict[str, Any]], meta: dict[str, Any],
-             goals: Callable[[dict], dict] | None = None) -> dict:
-    """Run every (label, overrides) × seed not yet in ``path``; rewrite ``path`` after each run."""
+             goals: Callable[[dict], dict] | None = None, plan: list[tuple[str, int]] | None = None) -> dict:
+    """Run every (label, overrides) × seed not yet in ``path`` (seed-major, or in the order of
+    ``plan``'s (label, seed) pairs); rewrite ``path`` after each run."""
     data = json.loads(path.read_text()) if path.is_file() else {}
     data.setdefault("runs", [])
     data.update(meta)
     done = {(r["label"], r["seed"]) for r in data["runs"]}
-    for seed in seeds:  # seed-major: every cell gets seed 0 first, so a cut-short benchmark still covers the grid
-        for label, overrides in grid:
+    cells = dict(grid)
+    if plan is None:  # seed-major: every cell gets seed 0 first, so a cut-short benchmark still covers the grid
+        plan = [(label, seed) for seed in seeds for label, _ in grid]
+    for label, seed in plan:
+        overrides = cells[label]
+        if True:
             if (label, seed) in done:
                 continue
             t0 = time.time()
             s = run_one(overrides, seed)
+            if s["stop_reason"] == "interrupted":  # SIGINT/SIGTERM: the run is cut short, not a result
+                raise SystemExit(f"{label} seed {seed}: interrupted, not recorded")
             row = {"label": label, "seed": seed, "overrides": overrides, **extract(s),
                    "wall_s": round(time.time() - t0, 1)}
             data["runs"].append(row)
