@@ -105,13 +105,13 @@ def test_resume_keeps_the_policies_state(extra, tmp_path):
     ref, _, _ = run(cfg, tmp_path, "ref")
     store = Store(f"sqlite:///{tmp_path / 'crash'}.db")
     server = AsyncServer(cfg, LocalTransport(), store, clock="virtual")
-    crash_after(store, "record_reply", 17)
+    crash_after(store, "record_reply", 9)
     with pytest.raises(Crash):
         server.run()
     before = server.scheduler.state_dict()
     store2 = Store(f"sqlite:///{tmp_path / 'crash'}.db")
     resumed = AsyncServer(cfg, LocalTransport(), store2, clock="virtual", resume_run_id=server.run_id)
-    assert resumed.scheduler.state_dict() == before  # restored as committed with the 17th reply
+    assert resumed.scheduler.state_dict() == before  # restored as committed with the 9th reply
     out = resumed.run()
     for k in ("model_sha256", "versions", "updates_received", "rejections", "participation", "virtual_time_s"):
         assert out[k] == ref[k], k
@@ -192,12 +192,12 @@ def test_robust_aggregator_runs_in_the_loop(tmp_path):
     assert a["robust"]["aggregator"] == "median"
 
 
-DP = ["privacy.local_dp.enabled=true", "privacy.local_dp.noise_multiplier=1.0", "privacy.local_dp.epsilon=2.0",
+DP = ["privacy.local_dp.enabled=true", "privacy.local_dp.noise_multiplier=1.0", "privacy.local_dp.epsilon=100",
       "privacy.reproducible_noise=true", "train.batch_size=8"]
 
 
 def test_a_rejected_update_still_spends_privacy(tmp_path):
-    cfg = small_config(*DP, *ATTACK, "server.robust.filter=zeno++", "server.max_versions=4")
+    cfg = small_config(*DP, *ATTACK, "server.robust.filter=zeno++", "server.max_versions=6")
     s, store, _ = run(cfg, tmp_path)
     rejected = [u for u in store.updates(s["run_id"]) if u.reason == "zeno"]
     assert rejected
@@ -210,13 +210,14 @@ def test_a_rejected_update_still_spends_privacy(tmp_path):
 
 
 def test_budget_aware_never_sends_a_task_over_budget(tmp_path):
-    common = [*DP, "privacy.local_dp.epsilon=0.6", "server.max_versions=60", "data.num_clients=10",
+    common = [*DP, "privacy.local_dp.epsilon=8", "server.max_versions=60", "data.num_clients=10",
               "server.concurrency=3"]
     fair, fstore, _ = run(small_config(*common, "server.scheduler.name=fair"), tmp_path, "fair")
     ba, bstore, _ = run(small_config(*common, "server.scheduler.name=budget_aware"), tmp_path, "ba")
     assert any(d.status == "refused" for d in fstore.dispatches(fair["run_id"]))  # fair hits the budget
     assert not any(d.status == "refused" for d in bstore.dispatches(ba["run_id"]))
-    assert ba["privacy"]["epsilon_max"] <= 0.6
+    assert ba["privacy"]["epsilon_max"] <= 8
+    assert ba["updates_received"] > 0
 
 
 def test_deployment_refuses_an_attack(tmp_path):

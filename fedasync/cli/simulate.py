@@ -31,7 +31,7 @@ def parse_compare(spec: str, base: Config) -> list[tuple[str, Config]]:
             cfg = config_from_dict(apply_overrides(raw, sets))
         except ConfigError as e:
             fail(f"--compare {entry}: {e}")
-        label = re.sub(r"[^A-Za-z0-9_.=-]+", "-", entry.replace(":", "-"))
+        label = re.sub(r"[^A-Za-z0-9_.=+-]+", "-", entry.replace(":", "-"))
         if label in [lbl for lbl, _ in out]:
             fail(f"--compare: {entry} is listed twice")
         out.append((label, cfg))
