@@ -36,22 +36,39 @@ PUSHED = b"R"  # what a task process writes to its pipe once its reply is pushed
 
 
 def _say(msg: str) -> None:
-    print(f"fedasync trainer [{os.getpid()}]: {msg}", file=sys.stderr, flush=True)
+    print(f"{time.strftime('%H:%M:%S')} fedasync trainer [{os.getpid()}]: {msg}", file=sys.stderr, flush=True)
 
 
-def preload() -> None:
-    """Import what every task needs (torch, the ClientApp, the task code, Flower's runtime)."""
+def _torch_warmup() -> None:
+    """One SGD step on a toy model: torch's lazy set-up (optimizer, autograd; seconds) happens here,
+    once, not in every forked task process. CPU only, one thread (no OpenMP pool before a fork)."""
     import torch
 
     torch.set_num_threads(1)
-    import fedasync.clients.app  # noqa: F401
-    import fedasync.clients.runner  # noqa: F401
-    import fedasync.server.strategies  # noqa: F401  (params_sha256, for signing)
-    import fedasync.signing  # noqa: F401
-    import fedasync.task.data  # noqa: F401
-    import fedasync.task.models  # noqa: F401
-    import fedasync.task.train  # noqa: F401
-    import flwr.supernode.runtime.run_clientapp  # noqa: F401
+    m = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    loss = torch.nn.CrossEntropyLoss()(m(torch.zeros(2, 4)), torch.tensor([0, 1]))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def _import(name: str):
+    def step() -> None:
+        __import__(name)
+    return step
+
+
+# what a train task needs, loaded while the trainer is idle (a hello needs none of it)
+PRELOAD_STEPS = [_import("torch"), _torch_warmup, _import("fedasync.clients.runner"), _import("fedasync.task.data"),
+                 _import("fedasync.task.models"), _import("fedasync.task.train"), _import("sklearn.datasets"),
+                 _import("fedasync.signing"), _import("fedasync.server.strategies")]
+
+
+def preload() -> None:
+    """Everything at once (tests, and a train task that comes before the idle time did it)."""
+    for step in PRELOAD_STEPS:
+        step()
 
 
 def _client(address: str, token: str | None = None, component: str = "SuperExec"):
@@ -76,6 +93,21 @@ class WarmTrainer:
         self.poll_interval = poll_interval
         self.apps: dict[str, object] = {}  # FAB hash -> ClientApp
         self.tasks = 0
+        self.todo = list(PRELOAD_STEPS)
+        self.t0 = time.monotonic()
+
+    def preload_step(self) -> bool:
+        """One preload step; False when there is nothing left."""
+        if not self.todo:
+            return False
+        step = self.todo.pop(0)
+        try:
+            step()
+        except ImportError as e:  # e.g. no scikit-learn: the task itself will say what is missing
+            _say(f"preload: {e}")
+        if not self.todo:
+            _say(f"warm: torch and the task code loaded in {time.monotonic() - self.t0:.1f} s")
+        return True
 
     def serve(self) -> None:
         from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=E0611
@@ -83,7 +115,7 @@ class WarmTrainer:
 
         client = _client(self.address)
         req = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP])
-        _say(f"warm (torch, ClientApp loaded); polling the SuperNode at {self.address}")
+        _say(f"ClientApp loaded; polling the SuperNode at {self.address}")
         while True:
             try:
                 res = client.AcquireTask(req)
@@ -93,7 +125,7 @@ class WarmTrainer:
                 continue
             if res.HasField("task") and res.token:
                 self.run_task(res.token, res.task)
-            else:
+            elif not self.preload_step():
                 time.sleep(self.poll_interval)
 
     # -- one task ----------------------------------------------------------------------
@@ -114,6 +146,8 @@ class WarmTrainer:
         """Load this train task's data and model here, so that the next forks find them."""
         if message.metadata.message_type != "train":
             return
+        while self.preload_step():
+            pass
         from fedasync.clients.app import task_config
         from fedasync.clients.runner import warm
 
@@ -128,9 +162,11 @@ class WarmTrainer:
         from flwr.supernode.runtime.run_clientapp import pull_task_input
 
         self.tasks += 1
+        t0 = time.monotonic()
         client = _client(self.address, token, "flwr-clientapp")
         try:
             message, context, run, fab = pull_task_input(client)
+            t_pull = time.monotonic() - t0
             app = self._app(run, fab)
             self._warm_for(message, context)
             from flwr.supercore.heartbeat import make_task_heartbeat_fn_http
@@ -153,7 +189,9 @@ class WarmTrainer:
             finally:
                 os._exit(code)
         os.close(w)
-        _say(f"task {task.task_id} ({message.metadata.message_type}) in process {pid}")
+        t_fork = time.monotonic() - t0
+        _say(f"task {task.task_id} ({message.metadata.message_type}) in process {pid} (input pulled in "
+             f"{t_pull:.2f} s, forked at {t_fork:.2f} s)")
         pushed = b""
         try:
             while True:
@@ -164,6 +202,7 @@ class WarmTrainer:
         finally:
             os.close(r)
         _, status = os.waitpid(pid, 0)
+        _say(f"task {task.task_id} done in {time.monotonic() - t0:.2f} s")
         if PUSHED not in pushed:
             why = (f"killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
                    else f"exit status {os.WEXITSTATUS(status)}")
@@ -231,14 +270,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--parent-pid", type=int, default=None, help="the SuperNode: exit when it exits")
     ap.add_argument("--poll-interval", type=float, default=0.1, help="seconds between AcquireTask calls")
     args = ap.parse_args(argv)
-    t0 = time.monotonic()
-    preload()
+    import fedasync.clients.app  # noqa: F401  (the hello needs only this; torch follows while idle)
+    import flwr.supernode.runtime.run_clientapp  # noqa: F401
+
     if args.parent_pid is not None:
         from flwr.supercore.app_utils import start_parent_process_monitor
 
         start_parent_process_monitor(args.parent_pid)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    _say(f"preloaded in {time.monotonic() - t0:.1f} s")
     try:
         WarmTrainer(args.runtime_api_address, args.parent_pid, args.poll_interval).serve()
     except KeyboardInterrupt:  # the SuperNode exited (its monitor raises SIGINT)
