@@ -94,6 +94,7 @@ class WarmTrainer:
         self.apps: dict[str, object] = {}  # FAB hash -> ClientApp
         self.tasks = 0
         self.todo = list(PRELOAD_STEPS)
+        self.warmed: set[tuple] = set()  # (setup, client id, data path) loaded here
         self.t0 = time.monotonic()
 
     def preload_step(self) -> bool:
@@ -146,21 +147,21 @@ class WarmTrainer:
         """Load this train task's data and model here, so that the next forks find them."""
         if message.metadata.message_type != "train":
             return
-        while self.preload_step():
-            pass
         from fedasync.clients.app import task_config
         from fedasync.clients.runner import warm
 
         try:
             node_cfg = dict(context.node_config or {})
             config = task_config(message, node_cfg)
-            warm(config["setup"], int(config.get("client_id", 0)), node_cfg.get("data-path") or None)
+            key = (config["setup"], int(config.get("client_id", 0)), node_cfg.get("data-path") or None)
+            if key in self.warmed:
+                return
+            warm(*key)
+            self.warmed.add(key)
         except Exception as e:  # the task process will meet (and report) the same problem
             _say(f"could not preload the task's data ({type(e).__name__}: {e})")
 
     def run_task(self, token: str, task) -> None:
-        from flwr.supernode.runtime.run_clientapp import pull_task_input
-
         self.tasks += 1
         t0 = time.monotonic()
         client = _client(self.address, token, "flwr-clientapp")
@@ -168,10 +169,9 @@ class WarmTrainer:
             message, context, run, fab = pull_task_input(client)
             t_pull = time.monotonic() - t0
             app = self._app(run, fab)
-            self._warm_for(message, context)
-            from flwr.supercore.heartbeat import make_task_heartbeat_fn_http
-
-            make_task_heartbeat_fn_http(client)()  # the task's claim renewed after a long first load
+            if message.metadata.message_type == "train":
+                while self.preload_step():
+                    pass
         except Exception as e:
             _say(f"task {task.task_id}: could not start ({type(e).__name__}: {e})")
             self._fail(client, None, None, f"{type(e).__name__}: {e}")
@@ -190,6 +190,7 @@ class WarmTrainer:
                 os._exit(code)
         os.close(w)
         t_fork = time.monotonic() - t0
+        self._warm_for(message, context)  # the next task's data and model, while this one runs
         _say(f"task {task.task_id} ({message.metadata.message_type}) in process {pid} (input pulled in "
              f"{t_pull:.2f} s, forked at {t_fork:.2f} s)")
         pushed = b""
@@ -225,6 +226,40 @@ class WarmTrainer:
             push_task_output(client, context, SubStatus.FAILED, reason)
         except Exception as e:
             _say(f"could not send the error reply ({type(e).__name__}: {e})")
+
+
+def pull_task_input(client):
+    """Flower's ``pull_task_input`` (``flwr.supernode.runtime.run_clientapp``), polling for the
+    message's objects every 0.05 s at first instead of 1 s: the SuperNode hands out the task
+    while it is still downloading the message from the SuperLink."""
+    from flwr.common.serde import context_from_proto, fab_from_proto, run_from_proto
+    from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
+    from flwr.proto.runtime_pb2 import PullAppMessagesRequest, PullTaskInputRequest  # pylint: disable=E0611
+    from flwr.supercore.inflatable.inflatable_protobuf_utils import (
+        make_confirm_message_received_fn_protobuf, make_pull_object_fn_protobuf)
+    from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
+    from flwr.supercore.task_identity import TaskIdentity
+
+    res = client.PullTaskInput(PullTaskInputRequest())
+    TaskIdentity.task_id = res.task_id
+    TaskIdentity.run_id = res.run.run_id
+    TaskIdentity.node_id = res.context.node_id
+    context = context_from_proto(res.context)
+    run = run_from_proto(res.run)
+    fab = fab_from_proto(res.fab)
+    pulled = client.PullMessages(PullAppMessagesRequest())
+    if not pulled.messages_list:
+        raise RuntimeError("No messages received from Runtime API")
+    node = Node(node_id=context.node_id)
+    tree = pulled.message_object_trees[0]
+    from flwr.app import Message
+
+    message = pull_and_inflate_object_from_tree(
+        tree, make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
+        make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node, context.run_id),
+        return_type=Message, initial_backoff=0.05, backoff_cap=1.0)
+    message.metadata.__dict__["_message_id"] = tree.object_id
+    return message, context, run, fab
 
 
 def _task_process(address: str, token: str, message, context, app, pipe_w: int, supernode_pid: int | None) -> int:
