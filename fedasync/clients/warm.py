@@ -189,10 +189,9 @@ class WarmTrainer:
             finally:
                 os._exit(code)
         os.close(w)
-        t_fork = time.monotonic() - t0
-        self._warm_for(message, context)  # the next task's data and model, while this one runs
         _say(f"task {task.task_id} ({message.metadata.message_type}) in process {pid} (input pulled in "
-             f"{t_pull:.2f} s, forked at {t_fork:.2f} s)")
+             f"{t_pull:.2f} s, forked at {time.monotonic() - t0:.2f} s)")
+        self._warm_for(message, context)  # the next task's data and model, while this one runs
         pushed = b""
         try:
             while True:
