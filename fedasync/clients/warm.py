@@ -6,13 +6,17 @@ separately managed app executor) and starts this module next to it (see
 :mod:`fedasync.deploy.supernode`). It does what Flower's ``flower-superexec`` and
 ``flwr-clientapp`` do, with Flower's own functions, in a process that is already warm:
 
-1. it asks the SuperNode's Runtime API for a task (``AcquireTask``, every ``poll_interval``);
+1. it loads the ClientApp and starts asking the SuperNode's Runtime API for a task
+   (``AcquireTask``, every ``poll_interval``); while idle it loads torch and the task code in
+   steps (:data:`PRELOAD_STEPS`, with one toy SGD step so that torch's lazy set-up is done here)
+   so that the server's hello is answered at once and a train task finds them loaded;
 2. it pulls the task's input (message, context, run, FAB) with the task's token, installs the
-   FAB and loads the ClientApp once per FAB, and for a ``train`` message loads the task's data
-   and (on the CPU) its model into this process's caches (:func:`fedasync.clients.runner.warm`);
+   FAB and loads the ClientApp once per FAB;
 3. it forks a task process, which sends the task's heartbeats, runs the ClientApp
    (``fedasync.clients.app``: training, signing), pushes the reply and the task's output, and
-   exits; the trainer waits for it.
+   exits; meanwhile the trainer loads a train task's data and (on the CPU) its model into its
+   own caches (:func:`fedasync.clients.runner.warm`), so that the next forks find them, and then
+   waits for the task process.
 
 A task process that dies before its reply (killed, out of memory) costs that task only: the
 trainer pushes an error reply in its place, which the server records as ``failed``. If the
@@ -288,10 +292,13 @@ def _task_process(address: str, token: str, message, context, app, pipe_w: int, 
         sub_status, details, code = SubStatus.FAILED, reason, 3
     try:
         push_message(client, reply, context)
-        os.write(pipe_w, PUSHED)
     except Exception as ex:
         _say(f"could not push the reply ({type(ex).__name__}: {ex})")
         return 4
+    try:
+        os.write(pipe_w, PUSHED)
+    except OSError:  # the trainer died meanwhile: nobody to tell
+        pass
     push_task_output(client, context, sub_status, details)
     heartbeat.stop()
     client.close()
