@@ -362,7 +362,9 @@ def test_poll_clock_maps_flowers_sleeps(monkeypatch):
     import flwr.supernode.start_client_internal as sci
 
     monkeypatch.setattr(sci, "time", _time)
+    monkeypatch.setattr(sci, "pull_objects", sci.pull_objects)  # restored after the test
     assert sn.patch_poll(0.25) and isinstance(sci.time, sn.PollClock)  # Flower's module still sleeps via `time`
+    assert sci.pull_objects.keywords == {"initial_backoff": 0.05, "backoff_cap": 1.0}
 
 
 def test_warm_preload_then_forked_training_matches_in_process(tmp_path):
