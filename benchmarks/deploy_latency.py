@@ -14,7 +14,10 @@ updates; a digits MLP whose local training takes well under 1 s), waits until it
 - updates per minute in the steady state: accepted updates between the first and the last
   taken reply, divided by that time;
 - start-up: from `fedasync server` to its first applied update (SuperLink, registration,
-  ``flwr run``, the hello to every node), and from the start of the last SuperNode to it.
+  ``flwr run``, the ServerApp, the hello to every node), and from the start of the last
+  SuperNode to it. The SuperNodes start once the ServerApp waits for them (devices joining a
+  running federation); --nodes-at-registration starts them as soon as their keys are registered
+  (as the first version of this benchmark did).
 
 --no-warm and --poll-interval 3 reproduce Flower's own per-message path (the "before" figures).
 Writes ``deploy_latency[_NAME].json`` (with the machine's load average, ``uptime``) to --out
@@ -68,6 +71,9 @@ def main() -> None:
     ap.add_argument("--poll-interval", type=float, default=None, help="the SuperNodes' poll (fedasync client's default: 1)")
     ap.add_argument("--name", default="", help="results file deploy_latency_NAME.json")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--nodes-at-registration", dest="nodes_after_serverapp", action="store_false",
+                    help="start the SuperNodes as soon as their keys are registered (while the ServerApp starts) "
+                    "instead of once it waits for them")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs, run directory)")
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args()
@@ -116,6 +122,13 @@ def main() -> None:
             if server.poll() is not None or time.monotonic() - t_reg > 300:
                 raise SystemExit("server did not register the keys:\n" + (work / "server.out").read_text()[-2000:])
             time.sleep(0.5)
+        t_serverapp = None
+        if args.nodes_after_serverapp:  # devices join a federation whose ServerApp is up
+            while "waiting for clients" not in _text(run_dir / "server.log"):
+                if server.poll() is not None or time.monotonic() - t_reg > 600:
+                    raise SystemExit("the ServerApp did not start:\n" + _text(work / "server.out")[-2000:])
+                time.sleep(0.2)
+            t_serverapp = time.time()
         for i in range(n):
             node_tls = (["--insecure"] if args.insecure else
                         ["--root-certificates", str(certs / "ca.crt"), "--auth-key", str(keys / f"supernode-{i}.key")])
@@ -147,6 +160,9 @@ def main() -> None:
         "updates_per_minute": (len(recv) - 1) / window * 60 if window > 0 else None,
         "startup_to_first_update_s": recv[0] - t0,
         "last_supernode_to_first_update_s": recv[0] - t_last_node if t_last_node else None,
+        "supernodes_started": ("after the ServerApp waited for them" if args.nodes_after_serverapp
+                               else "at key registration"),
+        "serverapp_ready_s": t_serverapp - t0 if t_serverapp else None,
         "warm_trainer": not args.no_warm, "poll_interval_s": args.poll_interval if args.poll_interval is not None
         else (3.0 if args.no_warm else 1.0),
         "local_train_s": _train_time(cfg),
@@ -165,6 +181,13 @@ def main() -> None:
     print(f"wrote {path} (work directory {work})")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def _uptime() -> str:

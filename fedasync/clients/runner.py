@@ -94,7 +94,17 @@ def warm(setup_json: str, client_id: int | None = None, data_path: str | None = 
     s = json.loads(setup_json)
     fed = _federated(json.dumps(s["data"], sort_keys=True), s["seed"])
     if str(s.get("train", {}).get("device", "auto")).lower() == "cpu":
-        _setup(setup_json)
+        import copy
+
+        from fedasync.task.train import local_train
+
+        _s, fed, model, train_cfg, device = _setup(setup_json)
+        x, y = fed.partitions[0] if fed.partitions else (None, None)
+        if x is not None and len(y):
+            # one step on a copy: torch's lazy set-up (optimizer, autograd) happens here, once,
+            # instead of in every forked task process (seconds each)
+            local_train(copy.deepcopy(model), x[:train_cfg.batch_size], y[:train_cfg.batch_size], train_cfg,
+                        seed=0, device=device)
     if data_path:
         local_data(setup_json, client_id or 0, data_path)
     elif client_id is not None and 0 <= client_id < len(fed.partitions):

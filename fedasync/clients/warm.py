@@ -6,13 +6,17 @@ separately managed app executor) and starts this module next to it (see
 :mod:`fedasync.deploy.supernode`). It does what Flower's ``flower-superexec`` and
 ``flwr-clientapp`` do, with Flower's own functions, in a process that is already warm:
 
-1. it asks the SuperNode's Runtime API for a task (``AcquireTask``, every ``poll_interval``);
+1. it loads the ClientApp and starts asking the SuperNode's Runtime API for a task
+   (``AcquireTask``, every ``poll_interval``); while idle it loads torch and the task code in
+   steps (:data:`PRELOAD_STEPS`, with one toy SGD step so that torch's lazy set-up is done here)
+   so that the server's hello is answered at once and a train task finds them loaded;
 2. it pulls the task's input (message, context, run, FAB) with the task's token, installs the
-   FAB and loads the ClientApp once per FAB, and for a ``train`` message loads the task's data
-   and (on the CPU) its model into this process's caches (:func:`fedasync.clients.runner.warm`);
+   FAB and loads the ClientApp once per FAB;
 3. it forks a task process, which sends the task's heartbeats, runs the ClientApp
    (``fedasync.clients.app``: training, signing), pushes the reply and the task's output, and
-   exits; the trainer waits for it.
+   exits; meanwhile the trainer loads a train task's data and (on the CPU) its model into its
+   own caches (:func:`fedasync.clients.runner.warm`), so that the next forks find them, and then
+   waits for the task process.
 
 A task process that dies before its reply (killed, out of memory) costs that task only: the
 trainer pushes an error reply in its place, which the server records as ``failed``. If the
@@ -36,22 +40,39 @@ PUSHED = b"R"  # what a task process writes to its pipe once its reply is pushed
 
 
 def _say(msg: str) -> None:
-    print(f"fedasync trainer [{os.getpid()}]: {msg}", file=sys.stderr, flush=True)
+    print(f"{time.strftime('%H:%M:%S')} fedasync trainer [{os.getpid()}]: {msg}", file=sys.stderr, flush=True)
 
 
-def preload() -> None:
-    """Import what every task needs (torch, the ClientApp, the task code, Flower's runtime)."""
+def _torch_warmup() -> None:
+    """One SGD step on a toy model: torch's lazy set-up (optimizer, autograd; seconds) happens here,
+    once, not in every forked task process. CPU only, one thread (no OpenMP pool before a fork)."""
     import torch
 
     torch.set_num_threads(1)
-    import fedasync.clients.app  # noqa: F401
-    import fedasync.clients.runner  # noqa: F401
-    import fedasync.server.strategies  # noqa: F401  (params_sha256, for signing)
-    import fedasync.signing  # noqa: F401
-    import fedasync.task.data  # noqa: F401
-    import fedasync.task.models  # noqa: F401
-    import fedasync.task.train  # noqa: F401
-    import flwr.supernode.runtime.run_clientapp  # noqa: F401
+    m = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    loss = torch.nn.CrossEntropyLoss()(m(torch.zeros(2, 4)), torch.tensor([0, 1]))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def _import(name: str):
+    def step() -> None:
+        __import__(name)
+    return step
+
+
+# what a train task needs, loaded while the trainer is idle (a hello needs none of it)
+PRELOAD_STEPS = [_import("torch"), _torch_warmup, _import("fedasync.clients.runner"), _import("fedasync.task.data"),
+                 _import("fedasync.task.models"), _import("fedasync.task.train"), _import("sklearn.datasets"),
+                 _import("fedasync.signing"), _import("fedasync.server.strategies")]
+
+
+def preload() -> None:
+    """Everything at once (tests, and a train task that comes before the idle time did it)."""
+    for step in PRELOAD_STEPS:
+        step()
 
 
 def _client(address: str, token: str | None = None, component: str = "SuperExec"):
@@ -76,6 +97,22 @@ class WarmTrainer:
         self.poll_interval = poll_interval
         self.apps: dict[str, object] = {}  # FAB hash -> ClientApp
         self.tasks = 0
+        self.todo = list(PRELOAD_STEPS)
+        self.warmed: set[tuple] = set()  # (setup, client id, data path) loaded here
+        self.t0 = time.monotonic()
+
+    def preload_step(self) -> bool:
+        """One preload step; False when there is nothing left."""
+        if not self.todo:
+            return False
+        step = self.todo.pop(0)
+        try:
+            step()
+        except ImportError as e:  # e.g. no scikit-learn: the task itself will say what is missing
+            _say(f"preload: {e}")
+        if not self.todo:
+            _say(f"warm: torch and the task code loaded in {time.monotonic() - self.t0:.1f} s")
+        return True
 
     def serve(self) -> None:
         from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=E0611
@@ -83,7 +120,7 @@ class WarmTrainer:
 
         client = _client(self.address)
         req = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP])
-        _say(f"warm (torch, ClientApp loaded); polling the SuperNode at {self.address}")
+        _say(f"ClientApp loaded; polling the SuperNode at {self.address}")
         while True:
             try:
                 res = client.AcquireTask(req)
@@ -93,7 +130,7 @@ class WarmTrainer:
                 continue
             if res.HasField("task") and res.token:
                 self.run_task(res.token, res.task)
-            else:
+            elif not self.preload_step():
                 time.sleep(self.poll_interval)
 
     # -- one task ----------------------------------------------------------------------
@@ -120,22 +157,25 @@ class WarmTrainer:
         try:
             node_cfg = dict(context.node_config or {})
             config = task_config(message, node_cfg)
-            warm(config["setup"], int(config.get("client_id", 0)), node_cfg.get("data-path") or None)
+            key = (config["setup"], int(config.get("client_id", 0)), node_cfg.get("data-path") or None)
+            if key in self.warmed:
+                return
+            warm(*key)
+            self.warmed.add(key)
         except Exception as e:  # the task process will meet (and report) the same problem
             _say(f"could not preload the task's data ({type(e).__name__}: {e})")
 
     def run_task(self, token: str, task) -> None:
-        from flwr.supernode.runtime.run_clientapp import pull_task_input
-
         self.tasks += 1
+        t0 = time.monotonic()
         client = _client(self.address, token, "flwr-clientapp")
         try:
             message, context, run, fab = pull_task_input(client)
+            t_pull = time.monotonic() - t0
             app = self._app(run, fab)
-            self._warm_for(message, context)
-            from flwr.supercore.heartbeat import make_task_heartbeat_fn_http
-
-            make_task_heartbeat_fn_http(client)()  # the task's claim renewed after a long first load
+            if message.metadata.message_type == "train":
+                while self.preload_step():
+                    pass
         except Exception as e:
             _say(f"task {task.task_id}: could not start ({type(e).__name__}: {e})")
             self._fail(client, None, None, f"{type(e).__name__}: {e}")
@@ -153,7 +193,9 @@ class WarmTrainer:
             finally:
                 os._exit(code)
         os.close(w)
-        _say(f"task {task.task_id} ({message.metadata.message_type}) in process {pid}")
+        _say(f"task {task.task_id} ({message.metadata.message_type}) in process {pid} (input pulled in "
+             f"{t_pull:.2f} s, forked at {time.monotonic() - t0:.2f} s)")
+        self._warm_for(message, context)  # the next task's data and model, while this one runs
         pushed = b""
         try:
             while True:
@@ -164,6 +206,7 @@ class WarmTrainer:
         finally:
             os.close(r)
         _, status = os.waitpid(pid, 0)
+        _say(f"task {task.task_id} done in {time.monotonic() - t0:.2f} s")
         if PUSHED not in pushed:
             why = (f"killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
                    else f"exit status {os.WEXITSTATUS(status)}")
@@ -186,6 +229,40 @@ class WarmTrainer:
             push_task_output(client, context, SubStatus.FAILED, reason)
         except Exception as e:
             _say(f"could not send the error reply ({type(e).__name__}: {e})")
+
+
+def pull_task_input(client):
+    """Flower's ``pull_task_input`` (``flwr.supernode.runtime.run_clientapp``), polling for the
+    message's objects every 0.05 s at first instead of 1 s: the SuperNode hands out the task
+    while it is still downloading the message from the SuperLink."""
+    from flwr.common.serde import context_from_proto, fab_from_proto, run_from_proto
+    from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
+    from flwr.proto.runtime_pb2 import PullAppMessagesRequest, PullTaskInputRequest  # pylint: disable=E0611
+    from flwr.supercore.inflatable.inflatable_protobuf_utils import (
+        make_confirm_message_received_fn_protobuf, make_pull_object_fn_protobuf)
+    from flwr.supercore.inflatable.inflatable_utils import pull_and_inflate_object_from_tree
+    from flwr.supercore.task_identity import TaskIdentity
+
+    res = client.PullTaskInput(PullTaskInputRequest())
+    TaskIdentity.task_id = res.task_id
+    TaskIdentity.run_id = res.run.run_id
+    TaskIdentity.node_id = res.context.node_id
+    context = context_from_proto(res.context)
+    run = run_from_proto(res.run)
+    fab = fab_from_proto(res.fab)
+    pulled = client.PullMessages(PullAppMessagesRequest())
+    if not pulled.messages_list:
+        raise RuntimeError("No messages received from Runtime API")
+    node = Node(node_id=context.node_id)
+    tree = pulled.message_object_trees[0]
+    from flwr.app import Message
+
+    message = pull_and_inflate_object_from_tree(
+        tree, make_pull_object_fn_protobuf(client.PullObject, node, context.run_id),
+        make_confirm_message_received_fn_protobuf(client.ConfirmMessageReceived, node, context.run_id),
+        return_type=Message, initial_backoff=0.05, backoff_cap=1.0)
+    message.metadata.__dict__["_message_id"] = tree.object_id
+    return message, context, run, fab
 
 
 def _task_process(address: str, token: str, message, context, app, pipe_w: int, supernode_pid: int | None) -> int:
@@ -215,10 +292,13 @@ def _task_process(address: str, token: str, message, context, app, pipe_w: int, 
         sub_status, details, code = SubStatus.FAILED, reason, 3
     try:
         push_message(client, reply, context)
-        os.write(pipe_w, PUSHED)
     except Exception as ex:
         _say(f"could not push the reply ({type(ex).__name__}: {ex})")
         return 4
+    try:
+        os.write(pipe_w, PUSHED)
+    except OSError:  # the trainer died meanwhile: nobody to tell
+        pass
     push_task_output(client, context, sub_status, details)
     heartbeat.stop()
     client.close()
@@ -231,14 +311,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--parent-pid", type=int, default=None, help="the SuperNode: exit when it exits")
     ap.add_argument("--poll-interval", type=float, default=0.1, help="seconds between AcquireTask calls")
     args = ap.parse_args(argv)
-    t0 = time.monotonic()
-    preload()
+    import fedasync.clients.app  # noqa: F401  (the hello needs only this; torch follows while idle)
+    import flwr.supernode.runtime.run_clientapp  # noqa: F401
+
     if args.parent_pid is not None:
         from flwr.supercore.app_utils import start_parent_process_monitor
 
         start_parent_process_monitor(args.parent_pid)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    _say(f"preloaded in {time.monotonic() - t0:.1f} s")
     try:
         WarmTrainer(args.runtime_api_address, args.parent_pid, args.poll_interval).serve()
     except KeyboardInterrupt:  # the SuperNode exited (its monitor raises SIGINT)
