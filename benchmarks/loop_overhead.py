@@ -6,7 +6,11 @@ loop pushes a message whenever one comes back and does nothing else; the fedasyn
 everything it does in a real run (virtual clock ordering, validation, FedBuff, the SQLite
 store with one transaction per reply) except evaluation.
 
-    python benchmarks/loop_overhead.py [--updates 1500] [--concurrency 20] [--out benchmarks/results]
+    python benchmarks/loop_overhead.py [--model mlp|fedavg_cnn] [--updates 1500] [--concurrency 20]
+                                       [--set KEY=VALUE ...] [--out benchmarks/results]
+
+Results go to ``loop_overhead.json`` under the model's name, with the machine's load average
+before and after (the ratio is what is compared; both loops share the load).
 """
 
 from __future__ import annotations
@@ -69,13 +73,21 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=1500)
     ap.add_argument("--concurrency", type=int, default=20)
     ap.add_argument("--clients", type=int, default=100)
+    ap.add_argument("--model", default="mlp", help="model.name (mlp, cnn, fedavg_cnn where registered)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra config KEY=VALUE")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args()
     k = 10
-    cfg = load_config(None, [f"data.num_clients={args.clients}", f"server.concurrency={args.concurrency}",
-                             f"server.buffer_size={k}", f"server.max_versions={args.updates // k}",
-                             "server.max_virtual_time=null", "server.eval_every=1000000",
-                             "server.poll_interval=0.005"])
+    load_before = os.getloadavg()
+    from fedasync.config import ConfigError
+
+    try:
+        cfg = load_config(None, [f"model.name={args.model}", *args.overrides, f"data.num_clients={args.clients}",
+                                 f"server.concurrency={args.concurrency}", f"server.buffer_size={k}",
+                                 f"server.max_versions={args.updates // k}", "server.max_virtual_time=null",
+                                 "server.eval_every=1000000", "server.poll_interval=0.005"])
+    except ConfigError as e:
+        raise SystemExit(f"{e} (is {args.model} in the model registry of this checkout?)")
     result: dict = {}
 
     server_app = ServerApp()
@@ -91,6 +103,7 @@ def main() -> None:
 
             fed = load_federated(cfg.data, cfg.seed)
             params = init_params(cfg.model, fed.input_shape, fed.num_classes, cfg.seed)
+            result["model"], result["num_params"] = args.model, int(sum(a.size for a in params.values()))
             bare_loop(grid, nodes, params, 100, args.concurrency)  # warm the actors
             t_bare = bare_loop(grid, nodes, params, args.updates, args.concurrency)
             with tempfile.TemporaryDirectory() as d:
@@ -119,8 +132,14 @@ def main() -> None:
                                    "init_args": {"num_cpus": cpus, "include_dashboard": False}})
     if "error" in result:
         raise SystemExit(f"benchmark failed: {result['error']}")
+    result["load_average_before_after"] = [round(load_before[0], 2), round(os.getloadavg()[0], 2)]
+    result["cpus"] = os.cpu_count()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "loop_overhead.json").write_text(json.dumps(result, indent=2) + "\n")
+    path = args.out / "loop_overhead.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    old = old if all(isinstance(v, dict) for v in old.values()) else {}  # the flat layout before --model
+    old[args.model] = result
+    path.write_text(json.dumps(old, indent=2) + "\n")
     print(f"bare Flower push/pull: {result['bare_flower_updates_per_s']:.1f} updates/s")
     print(f"fedasync loop:         {result['fedasync_updates_per_s']:.1f} updates/s")
     print(f"ratio fedasync/bare:   {result['ratio_fedasync_over_bare']:.2f}")

@@ -53,6 +53,7 @@ from fedasync.server import resume
 from fedasync.server.clock import VirtualClock, WallClock, make_profiles, task_duration
 from fedasync.server.control import ROUND_CLOSED, StopControl, cancel_dropped, no_task_reason
 from fedasync.server.records import as_int, replay_row, update_row
+from fedasync.server.idle import IdleClients
 from fedasync.server.policy import Policies
 from fedasync.server.retention import Retention
 from fedasync.server.strategies import Update, make_strategy, params_sha256
@@ -111,6 +112,7 @@ class AsyncServer:
         self.scheduler = self.policy.scheduler
         self.client_config = client_config or (lambda cid: {})
         self.live: dict[int, Live] = {}
+        self.idle = IdleClients(cfg.data.num_clients)
         self.arrived: dict[int, Reply] = {}
         self.by_message: dict[str, int] = {}
         self.exhausted: set[int] = set()
@@ -235,7 +237,7 @@ class AsyncServer:
     def _finish(self, status: str) -> dict:
         if not self.history or self.history[-1]["version"] != self.version:
             self._evaluate()
-        self.store.mark_in_flight(self.run_id, "cancelled", drop_params=self._release())
+        self.store.mark_in_flight(self.run_id, "cancelled", drop_params=self.retention.release_for(self))
         summary = self.summary()
         self.store.set_run_status(self.run_id, status, self.stop_reason, summary)
         return summary
@@ -257,8 +259,7 @@ class AsyncServer:
             return
         busy = {t.client_id for t in self.live.values()}
         avail = self.available_clients() if self.available_clients is not None else None
-        idle = self.policy.eligible([c for c in range(self.cfg.data.num_clients)
-                                     if c not in busy and c not in self.exhausted and (avail is None or c in avail)])
+        idle = self.policy.eligible(self.idle(busy, self.exhausted, avail))
         chosen = []
         for c in list(self._priority):
             if len(chosen) < n and c in idle:
@@ -399,13 +400,14 @@ class AsyncServer:
         if reply.error is not None:
             self.failed += 1
             self.store.set_dispatch_status(self.run_id, t.task_id, "failed", reply.error,
-                                           drop_params=self._release())
+                                           drop_params=self.retention.release_for(self))
             log.warning("task %d (client %d) failed: %s", t.task_id, t.client_id, reply.error)
         elif reply.refused is not None:
             self.exhausted.add(t.client_id)
             self.store.mark_exhausted(self.run_id, t.client_id, reply.refused)
             self.store.set_dispatch_status(self.run_id, t.task_id, "refused", reply.refused,
-                                           loop_state=resume.loop_state(self), drop_params=self._release())
+                                           loop_state=resume.loop_state(self),
+                                           drop_params=self.retention.release_for(self))
         else:
             self._take(t, reply)
             self._emit()
@@ -458,7 +460,7 @@ class AsyncServer:
         self.store.record_reply(self.run_id, t.task_id, row, status,
                                 new_version, resume.loop_state(self),
                                 self.clock.now, privacy=privacy, client_state=client_state,
-                                drop_params=self._release())
+                                drop_params=self.retention.release_for(self))
         if new_version is not None:
             if new_version["params"] is not None:
                 self.retention.stored(self.version)
@@ -477,11 +479,6 @@ class AsyncServer:
             "params": new if self.cfg.store.save_parameters else None,
             "task_ids": self.strategy.last_aggregated(),
         }
-
-    def _release(self) -> list[int]:
-        """Versions whose stored parameters nothing needs now (see ``server/retention.py``)."""
-        return self.retention.release(self.version, (t.base_version for t in self.live.values()),
-                                      self.strategy.pending())
 
     def _prune_cache(self) -> None:
         keep = {t.base_version for t in self.live.values()} | {self.version}

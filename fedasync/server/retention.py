@@ -17,7 +17,7 @@ the buffer and the latest version. Pure: no database, no Flower.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 
 class Retention:
@@ -46,9 +46,13 @@ class Retention:
         if not self.save:
             return []
         pending = set(pending)
-        if len(pending) != len(self.pending_base):
+        if any(t not in pending for t in self.pending_base):
             self.pending_base = {t: v for t, v in self.pending_base.items() if t in pending}
         refs = {current, *live_bases, *self.pending_base.values()}
         drop = sorted(v for v in self.held if v not in refs)
         self.held.difference_update(drop)
         return drop
+
+    def release_for(self, srv: Any) -> list[int]:
+        """:meth:`release` for a server (``version``, ``live`` tasks, ``strategy.pending()``)."""
+        return self.release(srv.version, (t.base_version for t in srv.live.values()), srv.strategy.pending())

@@ -44,6 +44,9 @@ _INSERT_U, _INSERT_MV, _INSERT_D = insert(_U), insert(_MV), insert(_D)
 # -- codecs --------------------------------------------------------------------------
 
 
+_PACK = b"FAP1"
+
+
 def encode_params(params: Params) -> bytes:
     """Parameters as an uncompressed .npz (keys in order); exact round trip."""
     buf = io.BytesIO()
@@ -52,11 +55,11 @@ def encode_params(params: Params) -> bytes:
 
 
 def decode_params(blob: bytes) -> Params:
+    """Parameters from :func:`encode_params` (.npz) or :func:`pack_params` bytes."""
+    if blob.startswith(_PACK):
+        return unpack_params(blob)
     with np.load(io.BytesIO(blob), allow_pickle=False) as z:
         return {k: z[k].copy() for k in z.files}
-
-
-_PACK = b"FAP1"
 
 
 def pack_params(params: Params) -> bytes:
@@ -70,7 +73,7 @@ def pack_params(params: Params) -> bytes:
 
 def unpack_params(blob: bytes) -> Params:
     if not blob.startswith(_PACK):
-        return decode_params(blob)  # .npz, written before 0.x
+        return decode_params(blob)  # .npz, written before this format
     n = int.from_bytes(blob[4:8], "little")
     out, pos = {}, 8 + n
     for k, dt, shape in json.loads(blob[8:pos]):
