@@ -140,9 +140,11 @@ def main() -> None:
         rc = server.wait(timeout=args.timeout)
         if rc != 0:
             raise SystemExit(f"server failed ({rc}):\n" + (work / "server.out").read_text()[-3000:])
-    finally:
-        for p in reversed(procs):
-            stop_process(p, timeout=15)
+    finally:  # every process by its PID (with what it started), all at once
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max(1, len(procs))) as pool:
+            list(pool.map(lambda p: stop_process(p, timeout=15), reversed(procs)))
 
     summary = json.loads((run_dir / "summary.json").read_text())
     store = Store(summary["store_url"], create=False)

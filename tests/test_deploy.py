@@ -432,7 +432,7 @@ def test_deploy_device_failures_cost_one_task(tmp_path):
         # every task sleeps ~3 s (the wall-clock emulation): long enough to be killed mid-task
         "clock": {"emulate": True, "time_scale": 3.0, "sigma": 0.0, "jitter": 0.0},
         "server": {"strategy": "fedasync", "concurrency": 3, "max_versions": 12, "eval_every": 6,
-                   "task_timeout": 25},
+                   "task_timeout": 60},
         "deploy": {"node_discovery_timeout": 300},
     }))
     home = tmp_path / "flwr"

@@ -169,6 +169,7 @@ class WarmTrainer:
         self.tasks += 1
         t0 = time.monotonic()
         client = _client(self.address, token, "flwr-clientapp")
+        message = context = None
         try:
             message, context, run, fab = pull_task_input(client)
             t_pull = time.monotonic() - t0
@@ -178,7 +179,9 @@ class WarmTrainer:
                     pass
         except Exception as e:
             _say(f"task {task.task_id}: could not start ({type(e).__name__}: {e})")
-            self._fail(client, None, None, f"{type(e).__name__}: {e}")
+            if message is not None:  # an error reply, as flwr-clientapp sends when the app does not load
+                self._fail(client, message, context, f"{type(e).__name__}: {e}")
+            # else the task's claim expires and Flower's SuperNode answers for it
             client.close()
             return
         r, w = os.pipe()
@@ -223,9 +226,8 @@ class WarmTrainer:
         from flwr.supernode.runtime.run_clientapp import push_message, push_task_output
 
         try:
-            if message is not None and context is not None:
-                push_message(client, Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason),
-                                             reply_to=message), context)
+            push_message(client, Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason),
+                                         reply_to=message), context)
             push_task_output(client, context, SubStatus.FAILED, reason)
         except Exception as e:
             _say(f"could not send the error reply ({type(e).__name__}: {e})")
