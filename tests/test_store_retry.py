@@ -171,6 +171,21 @@ def test_what_counts_as_transient():
     assert not R.is_transient(ValueError("x"), "postgresql://h/db")
 
 
+def test_a_batch_broken_at_commit_time_is_retried_whole(tmp_path, fake_clock):
+    """Store.batch (the loop's one transaction per step) runs its writes when the block ends,
+    outside any public method: a lost connection there retries the whole batch, written once."""
+    st = _store(tmp_path)
+    rid = st.create_run("r", "fedbuff", 0, "{}", "simulation")
+    st.add_initial_version(rid, None, "v0", save=False)
+    inj = _arm(st, 1, when=lambda s: s.startswith("INSERT INTO dispatches"))
+    with st.batch():
+        st.record_dispatch(rid, 0, 3, 0, 0.0, 1.0, None, None)
+        st.record_dispatch(rid, 1, 4, 0, 0.0, 2.0, None, None)
+        assert inj.raised == 0  # nothing is executed before the block ends
+    assert inj.raised == 1 and fake_clock["pauses"] == [0.25]
+    assert st.dispatch_status_counts(rid) == {"in_flight": 2}
+
+
 def test_a_run_with_disconnects_keeps_every_accepted_update(tmp_path, fake_clock, caplog):
     """The loop waits out a dozen lost connections spread over the run; the run ends exactly as
     an undisturbed one does (same model, same accepted updates)."""

@@ -38,7 +38,10 @@ DEFAULT_RETRY_FOR_S = 120.0
 FIRST_DELAY_S = 0.25
 MAX_DELAY_S = 8.0
 #: methods that are not one transaction each
-NOT_RETRIED = frozenset({"close", "session"})
+NOT_RETRIED = frozenset({"close", "session", "batch"})
+#: private methods that are one transaction each: ``Store._commit`` runs the writes collected by
+#: ``Store.batch`` (the loop's one transaction per step) when the block ends, outside any public method
+RETRIED_PRIVATE = frozenset({"_commit"})
 
 #: the clock and the pause (tests replace them; a run never waits on a test's clock)
 now: Callable[[], float] = time.monotonic
@@ -118,7 +121,8 @@ def retrying_transactions(cls: T) -> T:
     """Class decorator: every public method of ``cls`` (but :data:`NOT_RETRIED`) retries whole on
     transient database errors; ``cls.retry_for_s`` (or an instance's) bounds the waiting."""
     for name, member in list(vars(cls).items()):
-        if name.startswith("_") or name in NOT_RETRIED or not inspect.isfunction(member):
+        if (name.startswith("_") and name not in RETRIED_PRIVATE) or name in NOT_RETRIED \
+                or not inspect.isfunction(member):
             continue
         if getattr(member, "__fedasync_retrying__", False):
             continue
