@@ -176,15 +176,17 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for backend in ("flower", "local"):
-        pts = sorted((r["clients"], r["wall_ms_per_update"]) for r in results["runs"]
-                     if r["backend"] == backend and "wall_ms_per_update" in r)
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=backend)
+    series: dict[tuple, list] = {}
+    for r in results["runs"]:
+        if "wall_ms_per_update" in r:
+            series.setdefault((r["backend"], r.get("updates")), []).append((r["clients"], r["wall_ms_per_update"]))
+    for (backend, n), pts in sorted(series.items(), key=str):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{backend}, {n} updates")
     ax.set_xscale("log")
     ax.set_xlabel("clients")
     ax.set_ylabel("wall ms per update (whole run)")
-    ax.set_title(f"fedasync scale: {results['updates']} FedAsync updates of the MLP")
+    ax.set_title("fedasync scale: FedAsync updates of the MLP (load in scale.json)")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend()
