@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -25,19 +25,42 @@ class _Section(BaseModel):
 
 
 class DataConfig(_Section):
-    dataset: Literal["digits", "mnist1d", "hub"] = "digits"
+    # files: data.path, local (no network); hub: a Hugging Face data set id in hub_name (needs network)
+    dataset: Literal["digits", "mnist1d", "hub", "files"] = "digits"
     hub_name: str | None = None  # a Hugging Face dataset id, for dataset: hub (needs network)
     num_clients: int = Field(100, gt=0)
-    partitioner: Literal["iid", "dirichlet"] = "dirichlet"
+    # iid, dirichlet (alpha), shard (McMahan et al. 2017: label shards), natural (one client per
+    # distinct value of partition_column); all flwr-datasets partitioners
+    partitioner: Literal["iid", "dirichlet", "shard", "natural"] = "dirichlet"
     alpha: float = Field(0.5, gt=0)  # Dirichlet concentration
     min_partition_size: int = Field(2, ge=1)
+    shards_per_client: int = Field(2, gt=0)  # shard
+    partition_column: str | None = None  # natural: e.g. a writer id
     test_fraction: float = Field(0.2, gt=0, lt=1)
+    # the server evaluates on a seeded stratified subset of this many test samples (speed); None: all
+    test_samples: int | None = Field(None, gt=0)
     mnist1d_samples: int = Field(4000, gt=0)
-    path: str | None = None  # deployment: a local .npz with x, y for this device
+    # files: an .npz (x_train, y_train, x_test, y_test, or x, y), a folder of parquet or CSV files
+    # (train*/test* splits), or a folder written by datasets' save_to_disk
+    path: str | None = None
+    label_column: str = "label"
+    feature_column: str | None = None  # default: the first of image, img, pixel_values, x, features
+    shape: list[Annotated[int, Field(gt=0)]] | None = Field(None, min_length=1)  # e.g. [28, 28] for flat images
+    num_classes: int | None = Field(None, ge=2)  # default: the largest training label + 1
+
+    @model_validator(mode="after")
+    def _check(self) -> "DataConfig":
+        if self.partitioner == "natural" and not self.partition_column:
+            raise ValueError("partition_column: needed when data.partitioner is natural")
+        if self.dataset == "files" and not self.path:
+            raise ValueError("path: needed when data.dataset is files (an .npz, or a folder of parquet/CSV files "
+                             "or one written by datasets' save_to_disk)")
+        return self
 
 
 class ModelConfig(_Section):
-    name: Literal["mlp", "cnn"] = "mlp"
+    # a name in fedasync.task.models.MODELS (the registry; tests check the two agree)
+    name: Literal["mlp", "cnn", "fedavg_cnn", "resnet20"] = "mlp"
     hidden: int = Field(64, gt=0)
 
 
@@ -159,6 +182,7 @@ class ClockConfig(_Section):
 class StoreConfig(_Section):
     url: str | None = None  # default: sqlite:///<run dir>/fedasync.db
     save_parameters: bool = True
+    retry_for_s: float = Field(120.0, ge=0)  # database away (restart): retry each transaction this long; 0: never
     # parameters kept: the latest version, every checkpoint_every-th version (0: none), and any
     # version a live task or the strategy's buffer still refers to (see server/retention.py)
     checkpoint_every: int = Field(100, ge=0)
@@ -342,12 +366,28 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in loc if not str(p).startswith("function-")) or "<root>"
 
 
+def _known_keys(section: tuple[Any, ...]) -> list[str]:
+    """The keys of the config section at ``section`` (a pydantic error location), or []."""
+    model: Any = Config
+    for part in section:
+        field = getattr(model, "model_fields", {}).get(str(part))
+        if field is None:
+            return []
+        ann = field.annotation
+        model = next((a for a in (ann, *getattr(ann, "__args__", ())) if isinstance(a, type)
+                      and issubclass(a, BaseModel)), None)
+        if model is None:
+            return []
+    return [f.alias or k for k, f in model.model_fields.items()]
+
+
 def _format_error(err: ValidationError) -> str:
     e = err.errors()[0]
     loc = _loc(e["loc"])
     msg = e["msg"]
     if e["type"] == "extra_forbidden":
-        return f"{loc}: unknown key"
+        known = _known_keys(e["loc"][:-1])
+        return f"{loc}: unknown key" + (f"; known: {', '.join(known)}" if known else "")
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
         # cross-field errors carry their own key path ("server.x: ...")

@@ -1,5 +1,5 @@
-"""What a run writes to its directory: summary.json, history.csv, accuracy.png, config.yaml;
-and for ``--compare``: comparison.json and comparison.png."""
+"""What a run writes to its directory: summary.json, history.csv, accuracy.png, participation.png,
+config.yaml; and for ``--compare``: comparison.json and comparison.png."""
 
 from __future__ import annotations
 
@@ -43,6 +43,26 @@ def _plot(series: dict[str, list[dict]], path: Path, target: float | None, title
     plt.close(fig)
 
 
+def plot_participation(part: dict, path: Path, title: str) -> None:
+    """Histogram of dispatches per client (summary.json's ``participation``), Jain's index in the title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = part["counts"]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    hi = max(counts) if counts else 0
+    ax.hist(counts, bins=range(0, hi + 2), align="left", rwidth=0.85)
+    ax.set_xlabel("dispatches per client")
+    ax.set_ylabel("clients")
+    ax.set_title(f"{title}: Jain's index {part['jain']:.3f}, never scheduled {part['never']:.0%}")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def write_run_outputs(out: Path, cfg: Config, summary: dict) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {
@@ -59,6 +79,10 @@ def write_run_outputs(out: Path, cfg: Config, summary: dict) -> dict[str, Path]:
             w.writerow(row)
     _plot({summary["strategy"]: summary["history"]}, paths["plot"], cfg.server.target_accuracy,
           f"{cfg.name}: {summary['strategy']}")
+    if summary.get("participation"):
+        paths["participation"] = out / "participation.png"
+        plot_participation(summary["participation"], paths["participation"],
+                           f"{summary['strategy']}, {summary['participation'].get('scheduler', '')}")
     paths["config"].write_text(cfg.to_yaml())
     return paths
 

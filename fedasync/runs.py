@@ -30,14 +30,18 @@ def resume_config(config: Optional[str], set_: list[str], out: Optional[Path], r
     import yaml
 
     from fedasync.server.resume import check_resume_config
-    from fedasync.store import Store, default_sqlite_url
+    from fedasync.store import default_sqlite_url
+    from fedasync.store.opening import StoreOpenError, open_store
 
     url = cfg.store.url or (default_sqlite_url(out) if out is not None else None)
     if url is None:
         raise RunError("--resume: give --out DIR, the run's directory (it holds the store), or set store.url")
     if url.startswith("sqlite:///") and not Path(url[len("sqlite:///"):]).is_file():
         raise RunError(f"--resume: no store at {url}")
-    st = Store(url)
+    try:
+        st = open_store(url, "store.url" if cfg.store.url else "--out")
+    except StoreOpenError as e:
+        raise RunError(str(e)) from None
     try:
         run = st.get_run(run_id)
     except KeyError:

@@ -325,3 +325,172 @@ def test_deploy_end_to_end_tls_auth_signing(tmp_path):
     nodes = {c.client_id: c.node_id for c in store.clients(summary["run_id"])}
     assert all(nodes[c] for c in range(4)) and len(set(nodes.values())) == 4
     assert (out / "history.csv").exists() and (out / "config.yaml").exists()
+
+
+def test_supernode_command_warm_and_poll(tmp_path):
+    cmd = supernode_command("127.0.0.1:9092", 0, 2, insecure=True, port=9101, poll_interval=0.5)
+    i = cmd.index("--")
+    assert cmd[1:3] == ["-m", "fedasync.deploy.supernode"]
+    assert cmd[cmd.index("--poll-interval") + 1] == "0.5" and "--no-warm" not in cmd[:i]
+    assert cmd[i + 1:i + 3] == ["--superlink", "127.0.0.1:9092"]
+    cold = supernode_command("127.0.0.1:9092", 0, 2, insecure=True, warm=False)
+    assert "--no-warm" in cold[:cold.index("--")]
+    from fedasync.deploy import DeployError
+
+    with pytest.raises(DeployError, match="--poll-interval"):
+        supernode_command("127.0.0.1:9092", 0, 2, insecure=True, poll_interval=0)
+    r = CliRunner().invoke(cli_app, ["client", "--superlink", "127.0.0.1:9092", "--partition-id", "0",
+                                     "--num-partitions", "2", "--insecure", "--poll-interval", "-1"])
+    assert r.exit_code == 2 and "--poll-interval" in r.output
+
+
+def test_poll_clock_maps_flowers_sleeps(monkeypatch):
+    import time as _time
+
+    from fedasync.deploy import supernode as sn
+
+    slept = []
+    monkeypatch.setattr(_time, "sleep", slept.append)
+    clock = sn.PollClock(0.25)
+    clock.sleep(3)
+    clock.sleep(0.5)
+    clock.sleep(0.1)
+    assert slept == [0.25, sn.REPLY_CHECK_S, 0.1]
+    assert clock.monotonic is _time.monotonic  # everything else is the time module's
+    assert sn.runtime_port(["--superlink", "h:1", "--port", "9123"]) == 9123
+    assert sn.runtime_port(["--port=9124"]) == 9124 and sn.runtime_port([]) == 9094
+    import flwr.supernode.start_client_internal as sci
+
+    monkeypatch.setattr(sci, "time", _time)
+    monkeypatch.setattr(sci, "pull_objects", sci.pull_objects)  # restored after the test
+    assert sn.patch_poll(0.25) and isinstance(sci.time, sn.PollClock)  # Flower's module still sleeps via `time`
+    assert sci.pull_objects.keywords == {"initial_backoff": 0.05, "backoff_cap": 1.0}
+
+
+def test_warm_preload_then_forked_training_matches_in_process(tmp_path):
+    """The warm trainer's caches (data, model, torch's lazy set-up) serve a forked task process,
+    which trains exactly as a fresh process would (same parameters for the same task)."""
+    import numpy as np
+
+    from fedasync.clients import runner
+    from fedasync.clients.warm import preload
+    from fedasync.config import load_config
+    from fedasync.server.transport import client_setup_json
+    from fedasync.task.models import get_params
+
+    preload()
+    cfg = load_config(None, ["data.dataset=digits", "data.num_clients=20", "model.name=mlp", "model.hidden=16",
+                             "train.device=cpu"])
+    setup = client_setup_json(cfg)
+    runner.warm(setup, 3)
+    _, _, model, _, _ = runner._setup(setup)
+    params = get_params(model)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        out = runner.handle_train(params, {"setup": setup, "client_id": 3, "seed": 7})
+        os.write(w, np.concatenate([v.ravel() for v in out["params"].values()]).astype(np.float32).tobytes())
+        os._exit(0)
+    os.close(w)
+    buf = b""
+    while chunk := os.read(r, 1 << 16):
+        buf += chunk
+    os.close(r)
+    assert os.waitpid(pid, 0)[1] == 0
+    here = runner.handle_train(params, {"setup": setup, "client_id": 3, "seed": 7})["params"]
+    np.testing.assert_array_equal(np.frombuffer(buf, np.float32),
+                                  np.concatenate([v.ravel() for v in here.values()]).astype(np.float32))
+
+
+def _trainer_line(log: Path, what: str, after: int = 0, timeout: float = 300) -> tuple[int, int, int]:
+    """Wait for the trainer's next ``task ... (train) in process PID`` line in a device's log:
+    (trainer pid, task process pid, offset after the line)."""
+    import re
+
+    pat = re.compile(r"fedasync trainer \[(\d+)\]: task \d+ \(train\) in process (\d+)")
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        m = pat.search(text, after)
+        if m:
+            return int(m.group(1)), int(m.group(2)), m.end()
+        time.sleep(0.1)
+    raise AssertionError(f"no task in {log} ({what}):\n{log.read_text(errors='replace')[-2000:]}")
+
+
+@pytest.mark.deploy
+def test_deploy_device_failures_cost_one_task(tmp_path):
+    """Warm trainers: a task process killed mid-task, a warm trainer killed, a whole device killed:
+    each costs at most its task (recorded failed/timeout), never the run."""
+    cfg = tmp_path / "deploy.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "name": "failures", "seed": 0,
+        "data": {"dataset": "digits", "num_clients": 3, "partitioner": "iid"},
+        "model": {"name": "mlp", "hidden": 16},
+        "train": {"local_epochs": 1, "batch_size": 32, "lr": 0.1},
+        # every task sleeps ~3 s (the wall-clock emulation): long enough to be killed mid-task
+        "clock": {"emulate": True, "time_scale": 3.0, "sigma": 0.0, "jitter": 0.0},
+        "server": {"strategy": "fedasync", "concurrency": 3, "max_versions": 12, "eval_every": 6,
+                   "task_timeout": 60},
+        "deploy": {"node_discovery_timeout": 300},
+    }))
+    home = tmp_path / "flwr"
+    out = tmp_path / "run"
+    link_port, *node_ports = free_ports(4)
+    procs = Processes(home)
+    logs = [tmp_path / f"client-{i}.log" for i in range(3)]
+    try:
+        server = procs.start([FEDASYNC, "server", str(cfg), "--out", str(out), "--insecure", "--port", str(link_port)],
+                             tmp_path / "server.out", home / "server")
+        wait_for_text(tmp_path / "server.out", "submitted", 180, server)
+        nodes = [procs.start([FEDASYNC, "client", "--superlink", f"127.0.0.1:{link_port}", "--partition-id", str(i),
+                              "--num-partitions", "3", "--insecure", "--port", str(node_ports[i]), "--device", "cpu",
+                              "--poll-interval", "0.5"], logs[i], home / f"node-{i}") for i in range(3)]
+        # device 0: its task process dies mid-task -> the trainer sends an error reply
+        _, task0, _ = _trainer_line(logs[0], "device 0")
+        os.kill(task0, signal.SIGKILL)
+        # device 1: its warm trainer dies mid-task -> started again; the task process carries on
+        trainer1, _, _ = _trainer_line(logs[1], "device 1")
+        os.kill(trainer1, signal.SIGKILL)
+        # device 2: the whole device dies mid-task (SuperNode, trainer, task process)
+        _, task2, _ = _trainer_line(logs[2], "device 2")
+        below = descendants(nodes[2].pid)
+        for pid in [nodes[2].pid] + [p for p, _ in below]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        nodes[2].wait(timeout=10)
+        try:
+            rc = server.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("server did not finish:\n" + (out / "server.log").read_text()[-3000:])
+        assert rc == 0, (tmp_path / "server.out").read_text()[-3000:] + (out / "server.log").read_text()[-3000:]
+    finally:
+        procs.stop_all()
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["versions"] == 12
+    from fedasync.store import Store
+
+    store = Store(summary["store_url"], create=False)
+    rid = summary["run_id"]
+    disp = store.dispatches(rid)
+    ups = {u.task_id: u for u in store.updates(rid)}
+    # device 0: exactly the killed task failed, with the trainer's error reply; later tasks succeeded
+    failed0 = [d for d in disp if d.client_id == 0 and d.status == "failed"]
+    assert len(failed0) == 1 and "task process died" in failed0[0].error, [(d.status, d.error) for d in disp]
+    assert any(u.client_id == 0 and u.accepted and u.task_id > failed0[0].task_id for u in ups.values())
+    # device 1: its trainer was started again and it kept contributing
+    text1 = logs[1].read_text(errors="replace")
+    assert "the warm trainer exited" in text1 and text1.count("ClientApp loaded; polling") >= 2
+    assert sum(u.client_id == 1 and u.accepted for u in ups.values()) >= 2
+    assert len([d for d in disp if d.client_id == 1 and d.status in ("failed", "timeout")]) <= 1
+    # device 2: the task it died in is recorded failed or timeout (and so is any task the server
+    # sent it before noticing it left); it never replied again
+    lost2 = [d for d in disp if d.client_id == 2 and d.status in ("failed", "timeout")]
+    assert lost2 and all(d.status in ("failed", "timeout") for d in disp
+                         if d.client_id == 2 and d.task_id >= lost2[0].task_id)
+    assert not [u for u in ups.values() if u.client_id == 2 and u.task_id >= lost2[0].task_id]
+    assert store.get_run(rid).status == "finished"

@@ -43,6 +43,39 @@ def deployable_or_exit(cfg: Config) -> None:
         fail(str(e))
 
 
+def check_store_or_exit(url: str | None, key: str, must_exist: bool = False) -> None:
+    """Exit 2 with one line naming ``key`` when the store at ``url`` cannot be opened (writes nothing)."""
+    from fedasync.store.opening import StoreOpenError, probe_store
+
+    if url is None:
+        return
+    try:
+        probe_store(url, key, must_exist=must_exist)
+    except StoreOpenError as e:
+        fail(str(e))
+
+
+def store_or_exit(url: str, key: str, must_exist: bool = False):
+    """The store at ``url``; exit 2 with one line naming ``key`` when it cannot be opened."""
+    from fedasync.store.opening import StoreOpenError, open_store
+
+    try:
+        return open_store(url, key, must_exist=must_exist)
+    except StoreOpenError as e:
+        fail(str(e))
+
+
+def data_or_exit(cfg: Config) -> None:
+    """Exit 2 with one line naming the key when the config's data or model cannot be built
+    (:func:`fedasync.task.check.check_data`); call it before anything is written."""
+    from fedasync.task.check import check_data
+
+    try:
+        check_data(cfg)
+    except ConfigError as e:
+        fail(str(e))
+
+
 def quiet_flower(verbose: bool) -> None:
     """Flower and Ray are chatty; keep their warnings unless --verbose asks for everything."""
     level = logging.INFO if verbose else logging.ERROR
@@ -113,6 +146,9 @@ def summary_table(rows: dict[str, dict], title: str) -> Table:
         ("time to target (virtual s)", lambda s: fmt(s["time_to_target_s"], ".1f")),
         ("staleness mean / p95", lambda s: "-" if s["staleness"]["mean"] is None
          else f"{s['staleness']['mean']:.2f} / {s['staleness']['p95']:.0f}"),
+        ("Jain's index (dispatches)", lambda s: fmt((s.get("participation") or {}).get("jain"), ".3f")),
+        ("rejected by filter", lambda s: "-" if not s.get("robust") or s["robust"]["filter"] == "none"
+         else str(sum(s["robust"]["rejected"].values()))),
         ("stopped by", lambda s: str(s.get("stop_reason") or "-")),
     ]
     for name, get in figures:

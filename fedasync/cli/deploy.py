@@ -9,7 +9,8 @@ writes nothing itself: the ServerApp writes the run directory (``summary.json``,
 ``accuracy.png``, ``config.yaml``, the store, ``server.log``). Ctrl-C asks the ServerApp to stop
 (the run is marked ``stopped``; ``--resume`` continues it); a second Ctrl-C stops the Flower run.
 
-``fedasync client`` replaces itself with ``flower-supernode`` running the fedasync ClientApp;
+``fedasync client`` replaces itself with the device's SuperNode (:mod:`fedasync.deploy.supernode`:
+Flower's ``flower-supernode`` with a shorter poll, and a warm trainer, :mod:`fedasync.clients.warm`);
 the node config carries ``partition-id``, ``num-partitions``, ``data-path``, ``signing-key``,
 ``device`` and ``privacy-state-dir`` (see ``fedasync.clients.app``).
 
@@ -29,6 +30,7 @@ from typing import Optional
 import typer
 
 from fedasync.cli.common import console, err_console, fail
+from fedasync.config import ConfigError, check_no_attack
 from fedasync.deploy import DeployError
 
 
@@ -104,8 +106,12 @@ def client(
                                                      help="Where this device keeps its DP accountant."),
     max_wait_time: Optional[float] = typer.Option(None, "--max-wait-time",
                                                   help="Give up after this many seconds without the SuperLink."),
+    poll_interval: float = typer.Option(1.0, "--poll-interval", help="Seconds between the SuperNode's requests "
+                                        "for a message when it has none (Flower's own: 3)."),
+    warm: bool = typer.Option(True, "--warm/--no-warm", help="Keep a warm trainer (torch, data, model loaded "
+                              "once; a forked process per task) instead of a new flwr-clientapp per message."),
 ) -> None:
-    """Run this device's SuperNode (flower-supernode with the fedasync ClientApp)."""
+    """Run this device's SuperNode (flower-supernode with the fedasync ClientApp and a warm trainer)."""
     from fedasync.deploy.processes import child_env, parse_address, supernode_command
 
     try:
@@ -146,11 +152,12 @@ def client(
         fail(f"--port: {port} is not a port")
     try:
         cmd = supernode_command(superlink, partition_id, num_partitions, data, root_certificates, insecure, auth_key,
-                                signing_key, port, device, privacy_state_dir, max_wait_time)
+                                signing_key, port, device, privacy_state_dir, max_wait_time, poll_interval, warm)
     except DeployError as e:
         fail(str(e), e.code)
     err_console.print(f"fedasync client {partition_id}/{num_partitions}: starting flower-supernode "
-                      f"(SuperLink {superlink})", highlight=False)
+                      f"(SuperLink {superlink}, poll every {poll_interval:g} s, "
+                      f"{'warm trainer' if warm else 'a flwr-clientapp process per message'})", highlight=False)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(cmd[0], cmd, child_env())
@@ -182,7 +189,8 @@ def server(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="More logging."),
 ) -> None:
     """Run the asynchronous server on a SuperLink, for SuperNodes started with `fedasync client`."""
-    from fedasync.cli.common import RunProgress, deployable_or_exit, load_or_exit, progress_bars, summary_table
+    from fedasync.cli.common import (RunProgress, check_store_or_exit, data_or_exit, deployable_or_exit,
+                                     load_or_exit, progress_bars, summary_table)
     from fedasync.deploy.keys import client_public_keys, supernode_auth_keys
     from fedasync.deploy.processes import parse_address
     from fedasync.deploy.run import ServerRun, check_out_dir, resolve_tls
@@ -197,6 +205,11 @@ def server(
     except RunError as e:
         fail(str(e))
     deployable_or_exit(cfg)  # privacy.reproducible_noise: exit 2
+    data_or_exit(cfg)  # data and model: exit 2 naming the key
+    try:  # attack: simulation only
+        check_no_attack(cfg)
+    except ConfigError as e:
+        fail(str(e))
     try:  # every input is checked before anything is written
         tls = resolve_tls(superlink, certs, ssl_certfile, ssl_keyfile, ssl_ca_certfile, root_certificates,
                           insecure, supernode_auth is not None)
@@ -209,6 +222,7 @@ def server(
         check_out_dir(out, resume)
     except DeployError as e:
         fail(str(e), e.code)
+    check_store_or_exit(cfg.store.url, "store.url")
     if missing:
         err_console.print(f"warning: no public key for client(s) {missing[:10]}: their updates will be "
                           "rejected as unknown_client", highlight=False)

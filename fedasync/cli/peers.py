@@ -10,7 +10,7 @@ from typing import Callable, Iterator, Optional
 
 from rich.table import Table
 
-from fedasync.cli.common import console, fail
+from fedasync.cli.common import console, data_or_exit, fail
 
 STORE_HELP = "SQLAlchemy URL of the store (SQLite for one machine, postgresql+psycopg://... for many)."
 
@@ -61,13 +61,13 @@ def prepare(config: Optional[str], set_: list[str], peers: Optional[int], out: O
             fail(f"--spawn: must be in 0..{n} (the number of peers), got {spawn}")
     if check is not None:
         check(cfg)
+    data_or_exit(cfg)
     if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())):
         fail(f"--out: {out} exists and is not an empty directory")
-    if store is not None:
-        from fedasync.serverless.runs import open_store
+    if store is not None:  # reachable and a database, but nothing created yet
+        from fedasync.cli.common import check_store_or_exit
 
-        with user_errors():
-            open_store(store).close()
+        check_store_or_exit(store, "--store")
     if capped:
         console.print(f"note: {capped} (they cannot exceed the number of peers)", highlight=False, soft_wrap=True)
     if out is None:

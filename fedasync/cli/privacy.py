@@ -11,7 +11,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from fedasync.cli.common import console, fail, load_or_exit
+from fedasync.cli.common import console, fail, load_or_exit, store_or_exit
 
 privacy_app = typer.Typer(name="privacy", help="Differential privacy: plan budgets, report spend.",
                           no_args_is_help=True, add_completion=False)
@@ -197,9 +197,7 @@ def report(
     as_json: bool = typer.Option(False, "--json", help="Print [{client, epsilon, delta, accountant, history}, ...]."),
 ) -> None:
     """Per client: ε spent, δ, tasks done, exhausted or not."""
-    from fedasync.store import Store
-
-    st = Store(_store_url(store))
+    st = store_or_exit(_store_url(store), "--store", must_exist=True)
     try:
         runs = st.list_runs()
         if not runs:

@@ -8,21 +8,14 @@ import time
 import typer
 from rich.table import Table
 
-from fedasync.cli.common import console, fail
+from fedasync.cli.common import console, store_or_exit
 
 
 def runs(
     store: str = typer.Option("sqlite:///fedasync.db", "--store", help="SQLAlchemy URL of the store."),
 ) -> None:
     """List the runs recorded in a store."""
-    from fedasync.store import Store
-
-    if store.startswith("sqlite:///"):
-        import os
-
-        if not os.path.exists(store[len("sqlite:///"):]):
-            fail(f"--store: no database at {store}")
-    st = Store(store)
+    st = store_or_exit(store, "--store", must_exist=True)
     table = Table(title=f"runs in {store}")
     for col in ("id", "name", "strategy", "mode", "status", "versions", "accuracy", "created"):
         table.add_column(col)

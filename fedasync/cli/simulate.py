@@ -10,8 +10,8 @@ from typing import Optional
 
 import typer
 
-from fedasync.cli.common import (RunProgress, console, fail, load_or_exit, progress_bars, quiet_flower,
-                                 summary_table)
+from fedasync.cli.common import (RunProgress, check_store_or_exit, console, data_or_exit, fail, load_or_exit,
+                                 progress_bars, quiet_flower, summary_table)
 from fedasync.config import Config, ConfigError, apply_overrides, config_from_dict
 from fedasync.runs import RunError, resume_config, run_configs
 
@@ -31,7 +31,7 @@ def parse_compare(spec: str, base: Config) -> list[tuple[str, Config]]:
             cfg = config_from_dict(apply_overrides(raw, sets))
         except ConfigError as e:
             fail(f"--compare {entry}: {e}")
-        label = re.sub(r"[^A-Za-z0-9_.=-]+", "-", entry.replace(":", "-"))
+        label = re.sub(r"[^A-Za-z0-9_.=+-]+", "-", entry.replace(":", "-"))
         if label in [lbl for lbl, _ in out]:
             fail(f"--compare: {entry} is listed twice")
         out.append((label, cfg))
@@ -74,8 +74,11 @@ def simulate(
     backend = backend or cfg.simulation.backend
     if backend not in ("flower", "local"):
         fail(f"--backend: {backend!r} is not one of flower, local")
+    data_or_exit(cfg)  # data and model (the --compare entries differ only in server)
     if resume is None and out is not None and out.exists() and any(out.iterdir()):
         fail(f"--out: {out} exists and is not empty")
+    for label, c in configs:  # a store that cannot be opened: one line, before anything is written
+        check_store_or_exit(c.store.url, "store.url")
     # nothing is written before every input has been checked
     from fedasync.outputs import new_run_dir, write_comparison
 
@@ -105,7 +108,7 @@ def simulate(
     for label, d in out_dirs.items():
         s = summaries[label]
         console.print(f"[bold]{label}[/bold]: {d / 'summary.json'}, {d / 'history.csv'}, "
-                      f"{d / 'accuracy.png'}, {d / 'config.yaml'}; store {s['store_url']}")
+                      f"{d / 'accuracy.png'}, {d / 'participation.png'}, {d / 'config.yaml'}; store {s['store_url']}")
     for label, s in summaries.items():
         if s["stop_reason"] == "interrupted":
             console.print(f"{label}: stopped; continue with --resume {s['run_id']} --out {out_dirs[label]}")

@@ -49,18 +49,25 @@ def _set_device(setup_json: str, device: str) -> str:
     return json.dumps(s, sort_keys=True)
 
 
+def task_config(msg: Message, node_cfg: dict) -> dict:
+    """The task's config as this node trains it: a deployed device trains its own partition
+    (``partition-id``) on its own ``device``."""
+    config = json.loads(msg.content["task"]["json"])
+    if config.get("deployment") and "partition-id" in node_cfg:
+        config["client_id"] = int(node_cfg["partition-id"])  # a device trains its own data
+    if node_cfg.get("device"):
+        config["setup"] = _set_device(config["setup"], str(node_cfg["device"]))
+    return config
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     from fedasync.clients.runner import handle_train
 
     params = record_to_params(msg.content["params"])
-    config = json.loads(msg.content["task"]["json"])
     node_cfg = _node(context)
+    config = task_config(msg, node_cfg)
     deployed = bool(config.get("deployment"))
-    if deployed and "partition-id" in node_cfg:
-        config["client_id"] = int(node_cfg["partition-id"])  # a device trains its own data
-    if node_cfg.get("device"):
-        config["setup"] = _set_device(config["setup"], str(node_cfg["device"]))
     data_path = node_cfg.get("data-path") or None
     state_dir = node_cfg.get("privacy-state-dir") or None  # a device keeps its DP accountant here
     result = handle_train(params, config, data_path=str(data_path) if data_path else None,

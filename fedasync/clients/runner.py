@@ -35,30 +35,80 @@ Params = dict[str, np.ndarray]
 
 
 @functools.lru_cache(maxsize=8)
+def _federated(data_json: str, seed: int):
+    from fedasync.config import DataConfig
+    from fedasync.task.data import load_federated
+
+    return load_federated(DataConfig.model_validate(json.loads(data_json)), seed)
+
+
+def _federation(setup_json: str):
+    s = json.loads(setup_json)
+    return _federated(json.dumps(s["data"], sort_keys=True), s["seed"])
+
+
+@functools.lru_cache(maxsize=8)
 def _setup(setup_json: str):
     from fedasync.config import DataConfig, ModelConfig, TrainConfig
-    from fedasync.task.data import load_federated
     from fedasync.task.models import build_model
     from fedasync.task.train import pick_device
 
     s = json.loads(setup_json)
-    data_cfg = DataConfig.model_validate(s["data"])
     model_cfg = ModelConfig.model_validate(s["model"])
     train_cfg = TrainConfig.model_validate(s["train"])
-    fed = load_federated(data_cfg, s["seed"])
+    if "input_shape" in s:  # sent by the server: no need for the federation's data here
+        shape, num_classes = tuple(s["input_shape"]), int(s["num_classes"])
+    else:
+        fed = _federation(setup_json)
+        shape, num_classes = fed.input_shape, fed.num_classes
+    DataConfig.model_validate(s["data"])
     device = pick_device(train_cfg.device)
-    model = build_model(model_cfg, fed.input_shape, fed.num_classes).to(device)
-    return s, fed, model, train_cfg, device
+    model = build_model(model_cfg, shape, num_classes).to(device)
+    return s, num_classes, model, train_cfg, device
+
+
+@functools.lru_cache(maxsize=4)
+def _npz(path: str, mtime_ns: int, size: int):
+    from fedasync.task.data import load_npz
+
+    return load_npz(path)
 
 
 def local_data(setup_json: str, client_id: int, data_path: str | None = None):
-    """This client's partition: from a device's own .npz when given, else generated from the setup."""
+    """This client's partition: from a device's own .npz when given (read once while the file is
+    unchanged), else generated from the setup."""
     if data_path:
-        from fedasync.task.data import load_npz
+        import os
 
-        return load_npz(data_path)
-    _, fed, _, _, _ = _setup(setup_json)
-    return fed.partitions[client_id]
+        st = os.stat(data_path)
+        return _npz(str(data_path), st.st_mtime_ns, st.st_size)
+    return _federation(setup_json).partitions[client_id]
+
+
+def warm(setup_json: str, client_id: int | None = None, data_path: str | None = None) -> None:
+    """Load what a task of this setup needs (data, and the model when it trains on the CPU) into
+    this process's caches, for the task processes forked from it (:mod:`fedasync.clients.warm`).
+    A GPU is never touched here: CUDA does not survive a fork, so a task on ``cuda``/``mps``/
+    ``auto`` builds its model in its own process (the data is still shared)."""
+    torch.set_num_threads(1)
+    s = json.loads(setup_json)
+    fed = _federated(json.dumps(s["data"], sort_keys=True), s["seed"])
+    if str(s.get("train", {}).get("device", "auto")).lower() == "cpu":
+        import copy
+
+        from fedasync.task.train import local_train
+
+        _s, fed, model, train_cfg, device = _setup(setup_json)
+        x, y = fed.partitions[0] if fed.partitions else (None, None)
+        if x is not None and len(y):
+            # one step on a copy: torch's lazy set-up (optimizer, autograd) happens here, once,
+            # instead of in every forked task process (seconds each)
+            local_train(copy.deepcopy(model), x[:train_cfg.batch_size], y[:train_cfg.batch_size], train_cfg,
+                        seed=0, device=device)
+    if data_path:
+        local_data(setup_json, client_id or 0, data_path)
+    elif client_id is not None and 0 <= client_id < len(fed.partitions):
+        fed.partitions[client_id]
 
 
 def handle_train(params: Params, config: dict[str, Any], data_path: str | None = None,
@@ -74,12 +124,12 @@ def handle_train(params: Params, config: dict[str, Any], data_path: str | None =
         return {"refused": "attack_in_deployment", "metrics": {}}
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    _s, _fed, model, train_cfg, device = _setup(config["setup"])
+    _s, num_classes, model, train_cfg, device = _setup(config["setup"])
     x, y = local_data(config["setup"], int(config["client_id"]), data_path)
     if attack and attack.get("kind") == "label_flip":
         from fedasync.clients.attack import flip_labels
 
-        y = flip_labels(y, _fed.num_classes)
+        y = flip_labels(y, num_classes)
     pconf = config.get("privacy")
     dp_metrics: dict[str, Any] = {}
     if pconf and pconf.get("local_dp"):

@@ -7,6 +7,8 @@
 - ``federation.py``: the Flower side of a run: our SuperLink, the flwr CLI / Control API, the
   generated app, the store's progress.
 - ``run.py``: ``fedasync server`` end to end: TLS settings, the run directory, submit, follow.
+- ``supernode.py``: one device's SuperNode (``fedasync client``): Flower's ``flower-supernode``
+  with a shorter poll and a watchdog that keeps the warm trainer (``fedasync.clients.warm``) running.
 
 The ServerApp itself (what runs inside the SuperLink) is ``fedasync.server.app:deploy_app``.
 """

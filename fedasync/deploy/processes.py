@@ -146,8 +146,11 @@ def supernode_command(superlink: str, partition_id: int, num_partitions: int, da
                       root_certificates: Optional[Path] = None, insecure: bool = False,
                       auth_key: Optional[Path] = None, signing_key: Optional[Path] = None,
                       port: Optional[int] = None, device: Optional[str] = None,
-                      privacy_state_dir: Optional[Path] = None, max_wait_time: Optional[float] = None) -> list[str]:
-    """The ``flower-supernode`` command line for one device."""
+                      privacy_state_dir: Optional[Path] = None, max_wait_time: Optional[float] = None,
+                      poll_interval: float = 1.0, warm: bool = True) -> list[str]:
+    """The command line of one device's SuperNode: Flower's ``flower-supernode`` run by
+    :mod:`fedasync.deploy.supernode` (its idle poll every ``poll_interval`` seconds; ``warm``: a
+    warm trainer next to it instead of a new ``flwr-clientapp`` process per message)."""
     node = {"partition-id": partition_id, "num-partitions": num_partitions, "deployed": True}
     if data is not None:
         node["data-path"] = str(data.resolve())
@@ -158,7 +161,10 @@ def supernode_command(superlink: str, partition_id: int, num_partitions: int, da
     if privacy_state_dir is not None:
         node["privacy-state-dir"] = str(privacy_state_dir.resolve())
     node_config = " ".join(f"{k}={json.dumps(v)}" for k, v in node.items())
-    cmd = [exe("flower-supernode"), "--superlink", superlink, "--node-config", node_config]
+    if not poll_interval > 0:
+        raise DeployError(f"--poll-interval: {poll_interval} is not > 0")
+    cmd = [sys.executable, "-m", "fedasync.deploy.supernode", "--poll-interval", f"{poll_interval:g}",
+           *([] if warm else ["--no-warm"]), "--", "--superlink", superlink, "--node-config", node_config]
     if insecure:
         cmd.append("--insecure")
     else:

@@ -54,8 +54,8 @@ from fedasync.server.clock import VirtualClock, WallClock, make_profiles, task_d
 from fedasync.server.control import ROUND_CLOSED, StopControl, cancel_dropped, no_task_reason
 from fedasync.server.records import as_int, replay_row, update_row
 from fedasync.server.idle import IdleClients
+from fedasync.server.policy import Policies
 from fedasync.server.retention import Retention
-from fedasync.server.scheduler import make_scheduler
 from fedasync.server.strategies import Update, make_strategy, params_sha256
 from fedasync.server.summary import build_summary
 from fedasync.server.transport import Live, Reply, TaskMsg, Transport, client_setup_json, task_seed
@@ -93,6 +93,7 @@ class AsyncServer:
         self.cfg = cfg
         self.transport = transport
         self.store = store
+        store.retry_for_s = cfg.store.retry_for_s  # the database away: how long each write waits (store/retry.py)
         self.virtual = clock == "virtual"
         self.clock = VirtualClock() if self.virtual else WallClock()
         self.progress = progress or (lambda ev: None)
@@ -107,7 +108,8 @@ class AsyncServer:
         central = cfg.privacy.central_dp if cfg.privacy.central_dp.enabled else None
         self.strategy = make_strategy(cfg.server, cfg.weighting, cfg.seed, central_dp=central,
                                       reproducible_noise=cfg.privacy.reproducible_noise)
-        self.scheduler = make_scheduler("uniform", cfg.seed)
+        self.policy = Policies(cfg, fed, mode)  # server.scheduler, delay_compensation, robust; attack
+        self.scheduler = self.policy.scheduler
         self.client_config = client_config or (lambda cid: {})
         self.live: dict[int, Live] = {}
         self.idle = IdleClients(cfg.data.num_clients)
@@ -146,13 +148,14 @@ class AsyncServer:
         self.model_bytes = int(sum(a.nbytes for a in self.params.values()))
         self.validator = validator or UpdateValidator(self.params, cfg.server, public_keys=public_keys)
         self.base_cache: dict[int, Params] = {self.version: self.params}
-        self.setup_json = client_setup_json(cfg)
+        self.setup_json = client_setup_json(cfg, fed)
         self.privacy = None
         if cfg.privacy.local_dp.enabled or cfg.privacy.central_dp.enabled:
             from fedasync.privacy.tracker import PrivacyTracker
 
             self.privacy = PrivacyTracker(cfg, store, self.run_id, self.strategy,
                                           resumed=resume_run_id is not None)
+        self.policy.observe_budgets(self.privacy, range(cfg.data.num_clients))
         self.stop = StopControl(None if self.virtual else
                                 lambda: self.store.get_run(self.run_id).status == "stopping")
 
@@ -256,17 +259,14 @@ class AsyncServer:
             return
         busy = {t.client_id for t in self.live.values()}
         avail = self.available_clients() if self.available_clients is not None else None
-        idle = self.idle(busy, self.exhausted, avail)
+        idle = self.policy.eligible(self.idle(busy, self.exhausted, avail))
         chosen = []
         for c in list(self._priority):
             if len(chosen) < n and c in idle:
                 chosen.append(c)
                 idle.remove(c)
                 self._priority.remove(c)
-        for _ in range(min(n - len(chosen), len(idle))):
-            c = self.scheduler.choose(idle)
-            idle.remove(c)
-            chosen.append(c)
+        chosen += self.policy.choose(idle, n - len(chosen))
         if not chosen:
             return
         tasks, lives = [], []
@@ -278,7 +278,8 @@ class AsyncServer:
             dur = task_duration(self.profiles[c], steps, self.model_bytes, self.cfg.clock, self.cfg.seed, tid)
             conf = self._task_config(tid, c, self.version, dur)
             tasks.append(TaskMsg(tid, c, self.node_for_client(c) if self.node_for_client else None,
-                                 self.params, conf))
+                                 self.policy.task_params(c, self.version, self.params), conf))
+            self.policy.on_dispatch(c, now, self.version)
             timeout = self.cfg.server.task_timeout
             lives.append(Live(tid, c, self.version, now, now + dur if self.virtual else None,
                               now + timeout if timeout else None, None))
@@ -296,6 +297,7 @@ class AsyncServer:
             conf["deployment"] = True  # the ClientApp trains its own data and echoes who it is
         if self.privacy is not None:
             conf["privacy"] = self.privacy.client_config(c)
+        conf.update(self.policy.task_config(c))  # a simulated attacker's orders
         conf.update(self.client_config(c))
         return conf
 
@@ -432,6 +434,8 @@ class AsyncServer:
             upd = Update(task_id=t.task_id, client_id=t.client_id, params=reply.params, base_params=base,
                          base_version=t.base_version, staleness=s, num_examples=num_examples)
             reason = self.strategy.check(upd, self.version)
+            if reason is None:  # server.robust filter, then server.delay_compensation (may replace upd.params)
+                reason = self.policy.judge(upd, self.params, self.version)
         new_version, weight = None, None
         if reason is None:
             weight = float(self.strategy.weight(upd))
@@ -445,8 +449,11 @@ class AsyncServer:
         row = update_row(t, reply, version_at_arrival=self.version - (1 if new_version else 0), staleness=s,
                          weight=weight, num_examples=num_examples, reason=reason, now=self.clock.now,
                          pending=reason is None and t.task_id in self.strategy.pending())
+        if row["pending_params"] is not None:  # what the buffer holds (filtered / compensated), for a resume
+            row["pending_params"] = upd.params
         privacy, client_state = (None, None) if self.privacy is None else \
             self.privacy.on_reply(t.client_id, t.task_id, reply.metrics)  # DP: privacy_spend row, accountant
+        self.policy.on_reply(t.client_id, self.clock.now - t.sent_t, s, self.privacy)
         status = dispatch_status or ("late" if t.timed_out else "replied")
         if row["pending_params"] is not None:
             self.retention.buffered(t.task_id, t.base_version)

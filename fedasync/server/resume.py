@@ -40,6 +40,7 @@ def loop_state(srv: AsyncServer) -> str:
     return dumps_state({
         "strategy": srv._strategy_snapshot,
         "scheduler": srv.scheduler.state_dict(),
+        "policy": srv.policy.state_dict(),
         "virtual_time": srv.clock.now,
         "exhausted": sorted(srv.exhausted),
         "time_to_target": srv.time_to_target,
@@ -68,6 +69,7 @@ def restore(srv: AsyncServer, run_id: int) -> None:
         srv.strategy.load_state_dict(state["strategy"])
         srv._strategy_snapshot = state["strategy"]
         srv.scheduler.load_state_dict(state["scheduler"])
+        srv.policy.load_state_dict(state.get("policy"), lambda v: store.load_version(run_id, v)[1])
         srv.exhausted = set(state["exhausted"])
         srv.time_to_target = state["time_to_target"]
         if srv.virtual:

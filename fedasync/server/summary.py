@@ -53,4 +53,6 @@ def build_summary(srv: AsyncServer) -> dict:
         "stop_reason": srv.stop_reason,
         "history": srv.history,
         **({"privacy": srv.privacy.summary()} if srv.privacy is not None else {}),
+        # participation (dispatches per client, Jain's index) and robust figures, from the store
+        **srv.policy.summary([d.client_id for d in srv.store.dispatches(srv.run_id)], srv.store.updates(srv.run_id)),
     }

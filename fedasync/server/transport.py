@@ -108,9 +108,13 @@ def reply_from_content(task_id: int, content: dict) -> Reply:
     )
 
 
-def client_setup_json(cfg: Config) -> str:
-    """What a client needs to build its data, model and trainer (sent with every task)."""
+def client_setup_json(cfg: Config, fed: Any = None) -> str:
+    """What a client needs to build its data, model and trainer (sent with every task).  With the
+    server's ``FederatedData`` it carries the model's ``input_shape`` and ``num_classes`` too, so a
+    device with its own data builds the model without the federation's files."""
+    shape = {} if fed is None else {"input_shape": list(fed.input_shape), "num_classes": int(fed.num_classes)}
     return json.dumps({
+        **shape,
         "seed": cfg.seed,
         "data": cfg.data.model_dump(mode="json"),
         "model": cfg.model.model_dump(mode="json"),

@@ -117,7 +117,7 @@ class PeerTask:
 
         self.cfg = cfg
         self.fed = load_federated(cfg.data, cfg.seed)
-        self.setup_json = client_setup_json(cfg)
+        self.setup_json = client_setup_json(cfg, self.fed)
         self.init = init_params(cfg.model, self.fed.input_shape, self.fed.num_classes, cfg.seed)
         self.model_bytes = int(sum(a.nbytes for a in self.init.values()))
         self.profiles = make_profiles(cfg.data.num_clients, cfg.clock, cfg.seed)

@@ -173,9 +173,11 @@ def wait_for_start(store: Store, run_id: int, poll_s: float = 0.1) -> str:
 
 
 def open_store(url: str, must_exist: bool = False) -> Store:
-    if must_exist and url.startswith("sqlite:///") and not os.path.exists(url[len("sqlite:///"):]):
-        raise ServerlessError(f"--store: no database at {url}")
+    """The store at ``url`` (``--store``); ServerlessError with one line if it cannot be opened."""
+    from fedasync.store.opening import StoreOpenError
+    from fedasync.store.opening import open_store as _open
+
     try:
-        return Store(url)
-    except Exception as e:  # a bad URL, an unreachable server
-        raise ServerlessError(f"--store {url}: cannot open ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        return _open(url, "--store", must_exist=must_exist)
+    except StoreOpenError as e:
+        raise ServerlessError(str(e)) from None

@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from fedasync.store import schema as S
 from fedasync.store import serverless_schema as _serverless_schema  # noqa: F401  (its tables on S.Base)
+from fedasync.store.retry import retrying_transactions
 
 Params = dict[str, np.ndarray]
 
@@ -143,6 +144,7 @@ def make_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True)
 
 
+@retrying_transactions  # a lost connection: the whole method again, with bounded backoff (retry.py)
 class Store:
     """Open (and create if needed) the store at ``url``."""
 

