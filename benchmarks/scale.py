@@ -121,6 +121,54 @@ def run_one(overrides: list[str], backend: str, workdir: Path, timeout: float) -
     return res
 
 
+def store_only(num_params: int, versions: int, checkpoint_every: int, concurrency: int, workdir: Path) -> dict:
+    """The store a FedAsync run leaves, without training: the loop's own store calls (a batch per
+    step: the dispatch that fills the freed slot, the reply with its new version, retention's
+    drops) for ``versions`` versions of a ``num_params``-float32 model, ``concurrency`` tasks in
+    flight (each reply's base is the version its task was dispatched at)."""
+    import numpy as np
+
+    from fedasync.server.params import params_sha256
+    from fedasync.server.retention import Retention
+    from fedasync.store import Store
+
+    store = Store(f"sqlite:///{workdir / 'fedasync.db'}")
+    run = store.create_run("store-only", "fedasync", 0, "{}", "simulation")
+    rng = np.random.default_rng(0)
+    params = {"w": rng.standard_normal(num_params, dtype=np.float32)}
+    store.add_initial_version(run, params, params_sha256(params))
+    ret = Retention(checkpoint_every, True, held=[0])
+    live = [(t, 0) for t in range(concurrency)]  # (task id, base version)
+    store.record_dispatches(run, [{"task_id": t, "client_id": t, "base_version": 0, "sent_virtual": 0.0,
+                                   "finish_virtual": 1.0, "node_id": None, "message_id": str(t)} for t, _ in live],
+                            concurrency)
+    t0 = time.perf_counter()
+    for v in range(1, versions + 1):
+        tid, base = live.pop(0)
+        params["w"][v % num_params] += 1.0  # a new model each version
+        with store.batch():
+            nxt = concurrency + v - 1
+            store.record_dispatches(run, [{"task_id": nxt, "client_id": nxt % 100, "base_version": v - 1,
+                                           "sent_virtual": float(v), "finish_virtual": v + 1.0, "node_id": None,
+                                           "message_id": str(nxt)}], nxt + 1, loop_state="{}", virtual_time=float(v))
+            live.append((nxt, v - 1))
+            row = {"client_id": tid % 100, "base_version": base, "version_at_arrival": v - 1,
+                   "staleness": v - 1 - base, "weight": 0.5, "num_examples": 10, "loss": 0.1, "epsilon": None,
+                   "params_sha256": "0" * 64, "accepted": True, "reason": None, "received_virtual": float(v),
+                   "pending_params": None}
+            store.record_reply(run, tid, row, "replied",
+                               {"version": v, "parent": v - 1, "sha256": params_sha256(params), "params": params,
+                                "task_ids": [tid]}, "{}", float(v),
+                               drop_params=ret.release(v, (b for _, b in live), []))
+            ret.stored(v)
+    wall = time.perf_counter() - t0
+    kept = len(store.versions_with_parameters(run))
+    store.close()
+    return {"num_params": num_params, "versions": versions, "checkpoint_every": checkpoint_every,
+            "concurrency": concurrency, "versions_with_parameters": kept, "wall_s": round(wall, 1),
+            "store_mb": round(store_bytes(workdir) / 2**20, 1)}
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -128,15 +176,17 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for backend in ("flower", "local"):
-        pts = sorted((r["clients"], r["wall_ms_per_update"]) for r in results["runs"]
-                     if r["backend"] == backend and "wall_ms_per_update" in r)
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=backend)
+    series: dict[tuple, list] = {}
+    for r in results["runs"]:
+        if "wall_ms_per_update" in r:
+            series.setdefault((r["backend"], r.get("updates")), []).append((r["clients"], r["wall_ms_per_update"]))
+    for (backend, n), pts in sorted(series.items(), key=str):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{backend}, {n} updates")
     ax.set_xscale("log")
     ax.set_xlabel("clients")
     ax.set_ylabel("wall ms per update (whole run)")
-    ax.set_title(f"fedasync scale: {results['updates']} FedAsync updates of the MLP")
+    ax.set_title("fedasync scale: FedAsync updates of the MLP (load in scale.json)")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -156,9 +206,23 @@ def main() -> None:
     ap.add_argument("--cnn-store", action="store_true")
     ap.add_argument("--cnn-model", default="fedavg_cnn")
     ap.add_argument("--cnn-updates", type=int, default=10000)
+    ap.add_argument("--store-only", action="store_true",
+                    help="only the store a FedAsync run of a 1,663,370-parameter model (fedavg_cnn) leaves, "
+                         "without training (--store-versions, --store-checkpoint-every)")
+    ap.add_argument("--store-versions", type=int, default=10000)
+    ap.add_argument("--store-checkpoint-every", type=int, default=100)
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
+    if args.store_only:
+        with tempfile.TemporaryDirectory(prefix="fedasync-store-") as d:
+            r = store_only(1_663_370, args.store_versions, args.store_checkpoint_every, 20, Path(d))
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / "scale_store.json"
+        old = json.loads(path.read_text()) if path.exists() else []
+        path.write_text(json.dumps(old + [r], indent=2) + "\n")
+        print(f"[scale] {json.dumps(r)}", flush=True)
+        return
     clients = [100, 1000] if args.quick else [int(c) for c in args.clients.split(",")]
     updates = 2000 if args.quick else args.updates
     args.out.mkdir(parents=True, exist_ok=True)

@@ -204,3 +204,36 @@ def test_wall_clock_late_reply_of_a_cancelled_backup_is_rejected_without_a_slot(
     assert summary["rejections"]["round_closed"] == len(late)
     by_task = {d.task_id: d for d in ds}
     assert all(by_task[u.task_id].status == "cancelled" for u in late)
+
+
+def test_idle_clients_is_the_sorted_list_the_scheduler_always_got():
+    import random
+
+    from fedasync.server.idle import IdleClients
+
+    rng = random.Random(0)
+    idle = IdleClients(50)
+    exhausted: set[int] = set()
+    for _ in range(200):
+        busy = set(rng.sample(range(50), rng.randint(0, 12)))
+        if rng.random() < 0.1:
+            exhausted.add(rng.randrange(50))
+        avail = set(rng.sample(range(50), 30)) if rng.random() < 0.2 else None
+        want = [c for c in range(50) if c not in busy and c not in exhausted and (avail is None or c in avail)]
+        assert idle(busy, exhausted, avail) == want
+
+
+def test_retention_releases_what_nothing_refers_to():
+    from fedasync.server.retention import Retention
+
+    r = Retention(checkpoint_every=3, held=[0])
+    assert r.held == set()  # v0 is a checkpoint: never released
+    for v in (1, 2, 4):
+        r.stored(v)
+    r.stored(3)  # a checkpoint
+    r.buffered(task_id=7, base_version=1)
+    assert r.release(current=4, live_bases=[2], pending=[7]) == []
+    assert r.release(current=4, live_bases=[], pending=[7]) == [2]
+    assert r.release(current=5, live_bases=[], pending=[]) == [1, 4]
+    assert r.held == set()
+    assert Retention(0, save=False, held=[0, 1]).release(5, [], []) == []
