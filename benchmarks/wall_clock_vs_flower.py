@@ -26,6 +26,8 @@ central evaluation at or above ``server.target_accuracy`` (0.90); every run stop
 Flower's engine runs its actors' messages on a ``ThreadPoolExecutor()`` whose default size is
 ``min(32, cpus + 4)`` (6 on a 2-core machine): with 20 actors only 6 tasks would sleep at a
 time. ``--pool per-actor`` (default) gives the executor one thread per actor, for both sides.
+Ray starts its actors with niceness 15; on a machine busy with other work that starves both
+sides' clients, so ``--worker-niceness`` (default 0) runs them at normal priority, both sides.
 
     python benchmarks/wall_clock_vs_flower.py --time-scale 4 --actors 20
 """
@@ -234,7 +236,9 @@ def main() -> None:
     ap.add_argument("--actors", type=int, default=20, help="Ray actors (tasks that can run at once)")
     ap.add_argument("--pool", choices=["per-actor", "flower-default"], default="per-actor",
                     help="the engine's worker threads: one per actor, or Flower's min(32, cpus + 4)")
-    ap.add_argument("--runs", default="flower-fedavg,fedbuff,fedasync")
+    ap.add_argument("--runs", default="fedbuff,flower-fedavg,fedasync")
+    ap.add_argument("--worker-niceness", type=int, default=0,
+                    help="niceness of the Ray actors, both sides (Ray's default 15 starves them on a busy machine)")
     ap.add_argument("--max-wall", type=float, default=2400.0, help="give up on a run after this many seconds")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="config override (repeatable)")
     ap.add_argument("--verbose", action="store_true", help="Flower's and Ray's logs")
@@ -257,9 +261,11 @@ def main() -> None:
         vce.ThreadPoolExecutor = functools.partial(concurrent.futures.ThreadPoolExecutor,
                                                    max_workers=max(args.actors, 1))
     quiet_flower(args.verbose)
+    os.environ["RAY_worker_niceness"] = str(args.worker_niceness)  # read by the raylet run_simulation starts
     load0 = os.getloadavg()
     result: dict = {"command": "python " + " ".join(sys.argv), "time_scale": args.time_scale,
-                    "actors": args.actors, "pool": args.pool, "num_clients": base.data.num_clients,
+                    "actors": args.actors, "pool": args.pool, "worker_niceness": args.worker_niceness,
+                    "num_clients": base.data.num_clients,
                     "concurrency": base.server.concurrency, "target_accuracy": target,
                     "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                 "loadavg_before": load0},

@@ -127,8 +127,8 @@ def test_a_transaction_broken_halfway_is_rolled_back_and_done_once(tmp_path, fak
     st.add_initial_version(rid, None, "v0", save=False)
     st.record_dispatch(rid, 0, 3, 0, 0.0, 1.0, None, None)
     inj = _arm(st, 1, when=lambda s: s.startswith("UPDATE runs"))
-    st.record_reply(rid, 0, {"client_id": 3, "base_version": 0, "version_at_arrival": 0, "staleness": 0, "accepted": True, "received_virtual": 1.0,
-                             "num_examples": 10},
+    st.record_reply(rid, 0, {"client_id": 3, "base_version": 0, "version_at_arrival": 0, "staleness": 0,
+                             "accepted": True, "received_virtual": 1.0, "num_examples": 10},
                     "accepted", {"version": 1, "parent": 0, "params": None, "sha256": "v1", "task_ids": [0]},
                     "{}", 1.0)
     assert inj.raised == 1 and fake_clock["pauses"] == [0.25]
