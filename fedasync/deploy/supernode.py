@@ -10,8 +10,10 @@ runs Flower's ``flower-supernode`` in this process with two changes:
   two values, and its ``pull_objects`` retries after 0.05 s instead of 1 s; everything else is
   Flower's.
 - **warm trainer** (unless ``--no-warm``): the SuperNode runs with ``--isolation process`` and
-  a watchdog thread keeps one :mod:`fedasync.clients.warm` trainer running next to it (started
-  again, with a growing pause, when it dies); the trainer exits when the SuperNode does.
+  a watchdog thread keeps one :mod:`fedasync.clients.warm` trainer running next to it; the first
+  is forked from this process once Flower is imported (before any thread starts), a trainer that
+  dies is started again as ``python -m fedasync.clients.warm`` after a growing pause; the
+  trainer exits when the SuperNode does.
 
 With ``--no-warm`` the SuperNode starts Flower's SuperExec and a fresh ``flwr-clientapp``
 process per message, as plain ``flower-supernode`` does.
@@ -90,22 +92,47 @@ class TrainerWatchdog:
         return [sys.executable, "-m", "fedasync.clients.warm", "--runtime-api-address", f"127.0.0.1:{self.port}",
                 "--parent-pid", str(os.getpid())]
 
-    def run(self) -> None:
+    def fork_first(self) -> int:
+        """The first trainer, forked from this process before the SuperNode starts any thread:
+        it finds Flower already imported (a second interpreter would import it again)."""
+        from fedasync.deploy.processes import die_with_parent
+
+        args = self.command()[3:]  # the SuperNode's pid, taken here
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the trainer
+            try:
+                die_with_parent()
+                from fedasync.clients.warm import main as trainer
+
+                trainer(args)
+            finally:
+                os._exit(0)
+        return pid
+
+    def run(self, first_pid: int | None = None) -> None:
         from fedasync.deploy.processes import die_with_parent
 
         pause = 1.0
+        pid = first_pid
         while True:
             t0 = time.monotonic()
             self.starts += 1
-            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
-            rc = self.proc.wait()
+            if pid is not None:
+                rc = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+                pid = None
+            else:
+                self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
+                rc = self.proc.wait()
             pause = 1.0 if time.monotonic() - t0 > 60 else min(pause * 2, self.max_pause)
             print(f"fedasync client: the warm trainer exited ({rc}); starting it again in {pause:.0f} s",
                   file=sys.stderr, flush=True)
             time.sleep(pause)
 
     def start(self) -> threading.Thread:
-        t = threading.Thread(target=self.run, name="fedasync-trainer-watchdog", daemon=True)
+        first = self.fork_first()
+        t = threading.Thread(target=self.run, args=(first,), name="fedasync-trainer-watchdog", daemon=True)
         t.start()
         return t
 
@@ -124,11 +151,15 @@ def main(argv: list[str] | None = None) -> None:
     if not patch_poll(args.poll_interval):
         print("fedasync client: this Flower's SuperNode poll cannot be changed; it polls every 3 s",
               file=sys.stderr, flush=True)
+    from flwr.supernode.cli.flower_supernode import flower_supernode
+
     if not args.no_warm:
         if "--isolation" not in flower_args:
             flower_args += ["--isolation", "process"]
+        import fedasync.clients.app  # noqa: F401  (shared with the trainer forked next)
+        import flwr.supernode.runtime.run_clientapp  # noqa: F401
+
         TrainerWatchdog(runtime_port(flower_args)).start()
-    from flwr.supernode.cli.flower_supernode import flower_supernode
 
     sys.argv = ["flower-supernode", *flower_args]
     flower_supernode()
