@@ -175,8 +175,7 @@ class AsyncServer:
             if self.virtual and self.live and self._next_events()[0] <= self.clock.now:
                 self._step_virtual()  # resumed in the middle of a batch of replies due at one instant
             while True:
-                # virtual clock: one transaction per step (its dispatches, replies, versions, evaluations)
-                with self.store.batch() if self.virtual else contextlib.nullcontext():
+                with self.store.batch() if self.virtual else contextlib.nullcontext():  # a step: one transaction
                     reason = self._should_stop()
                     if reason:
                         self.stop_reason = reason
@@ -399,15 +398,13 @@ class AsyncServer:
             self.closed[t.message_id] = (t.task_id, t.client_id)
         if reply.error is not None:
             self.failed += 1
-            self.store.set_dispatch_status(self.run_id, t.task_id, "failed", reply.error,
-                                           drop_params=self.retention.release_for(self))
+            self.store.set_dispatch_status(self.run_id, t.task_id, "failed", reply.error)
             log.warning("task %d (client %d) failed: %s", t.task_id, t.client_id, reply.error)
         elif reply.refused is not None:
             self.exhausted.add(t.client_id)
             self.store.mark_exhausted(self.run_id, t.client_id, reply.refused)
             self.store.set_dispatch_status(self.run_id, t.task_id, "refused", reply.refused,
-                                           loop_state=resume.loop_state(self),
-                                           drop_params=self.retention.release_for(self))
+                                           loop_state=resume.loop_state(self))
         else:
             self._take(t, reply)
             self._emit()
@@ -462,8 +459,7 @@ class AsyncServer:
                                 self.clock.now, privacy=privacy, client_state=client_state,
                                 drop_params=self.retention.release_for(self))
         if new_version is not None:
-            if new_version["params"] is not None:
-                self.retention.stored(self.version)
+            self.retention.stored(self.version)  # (retention keeps nothing without save_parameters)
             cancel_dropped(self)
             self._prune_cache()
             if self.version % self.cfg.server.eval_every == 0:
