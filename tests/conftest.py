@@ -21,6 +21,18 @@ def small_config(*overrides: str):
     return load_config(None, SMALL + list(overrides))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: extra intra-op threads only add contention (the CI box is shared). A module
+    takes it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def small():
     return small_config

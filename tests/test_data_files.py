@@ -20,12 +20,7 @@ from fedasync.task.models import MODELS, build_model, init_params, num_params
 CLASSES = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _images(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -7,7 +7,6 @@ import logging
 import warnings
 
 import pytest
-import torch
 from opacus.accountants import create_accountant
 from typer.testing import CliRunner
 
@@ -30,12 +29,7 @@ SECRET = [s for s in SMALL if not s.startswith("privacy.reproducible_noise")]
 BUDGET = {0: 3.0, 1: 3.0, 2: 3.0, 3: 1.5}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _fresh_eps(name: str, history, delta: float) -> float:

@@ -21,13 +21,7 @@ def _label_entropy(y: np.ndarray, num_classes: int) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # tiny models: extra intra-op threads only add contention (and the CI box is shared)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
