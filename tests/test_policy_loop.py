@@ -105,13 +105,22 @@ def test_resume_keeps_the_policies_state(extra, tmp_path):
     ref, _, _ = run(cfg, tmp_path, "ref")
     store = Store(f"sqlite:///{tmp_path / 'crash'}.db")
     server = AsyncServer(cfg, LocalTransport(), store, clock="virtual")
+    committed = {}
+    commit = store._commit
+
+    def snapshot_on_commit(ops):  # the scheduler's state as of each committed transaction
+        commit(ops)
+        committed["state"] = server.scheduler.state_dict()
+
+    store._commit = snapshot_on_commit
     crash_after(store, "record_reply", 9)
     with pytest.raises(Crash):
         server.run()
-    before = server.scheduler.state_dict()
+    # the crash rolls back the step it hit (Store.batch): its dispatches and replies are redone
+    assert server.scheduler.state_dict() != committed["state"]
     store2 = Store(f"sqlite:///{tmp_path / 'crash'}.db")
     resumed = AsyncServer(cfg, LocalTransport(), store2, clock="virtual", resume_run_id=server.run_id)
-    assert resumed.scheduler.state_dict() == before  # restored as committed with the 9th reply
+    assert resumed.scheduler.state_dict() == committed["state"]  # restored as last committed
     out = resumed.run()
     for k in ("model_sha256", "versions", "updates_received", "rejections", "participation", "virtual_time_s"):
         assert out[k] == ref[k], k
