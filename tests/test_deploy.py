@@ -488,9 +488,11 @@ def test_deploy_device_failures_cost_one_task(tmp_path):
     assert sum(u.client_id == 1 and u.accepted for u in ups.values()) >= 2
     assert len([d for d in disp if d.client_id == 1 and d.status in ("failed", "timeout")]) <= 1
     # device 2: the task it died in is recorded failed or timeout (and so is any task the server
-    # sent it before noticing it left); it never replied again
-    lost2 = [d for d in disp if d.client_id == 2 and d.status in ("failed", "timeout")]
-    assert lost2 and all(d.status in ("failed", "timeout") for d in disp
-                         if d.client_id == 2 and d.task_id >= lost2[0].task_id)
+    # sent it before noticing it left); it never replied again. On a quiet machine the two live
+    # devices can reach max_versions before the dead task's 60 s timeout: the run's end then
+    # records it cancelled, like every task still in flight at the end.
+    gone = ("failed", "timeout", "cancelled")
+    lost2 = [d for d in disp if d.client_id == 2 and d.status in gone]
+    assert lost2 and all(d.status in gone for d in disp if d.client_id == 2 and d.task_id >= lost2[0].task_id)
     assert not [u for u in ups.values() if u.client_id == 2 and u.task_id >= lost2[0].task_id]
     assert store.get_run(rid).status == "finished"

@@ -98,7 +98,7 @@ def warm(setup_json: str, client_id: int | None = None, data_path: str | None = 
 
         from fedasync.task.train import local_train
 
-        _s, fed, model, train_cfg, device = _setup(setup_json)
+        _s, _classes, model, train_cfg, device = _setup(setup_json)
         x, y = fed.partitions[0] if fed.partitions else (None, None)
         if x is not None and len(y):
             # one step on a copy: torch's lazy set-up (optimizer, autograd) happens here, once,
