@@ -118,7 +118,7 @@ class RobustConfig(_Section):
     epsilon: float = Field(0.5, ge=0)
     normalize: bool = False  # rescale g to ||v|| first: a direction-only test
     # kardam: accept iff the empirical Lipschitz coefficient is within the (N-f)/N quantile
-    byzantine_fraction: float = Field(0.04, ge=0, lt=1)  # f/N
+    byzantine_fraction: float = Field(0.03, ge=0, lt=1)  # f/N
     dampening: float = Field(0.0, ge=0)  # update scaled by exp(-dampening * staleness)
     # norm: reject (or clip) ||delta|| > norm_multiplier * median of recently accepted norms
     norm_multiplier: float = Field(3.0, gt=1)
