@@ -1,7 +1,7 @@
 """Byzantine robustness on the quickstart: attacks × defenses, FedBuff and FedAsync, 20 % attackers.
 
 Every run is the quickstart (100 Dirichlet clients of digits, MLP, 20 tasks in flight,
-``max_virtual_time: 150``, target 0.90, ``clock.sigma: 1.0``), in-process, seeds 0-2, with
+``max_virtual_time: 150``, target 0.90, ``clock.sigma: 1.0``; ``--horizon`` changes it), in-process, seeds 0-2, with
 ``attack: {kind, fraction: 0.2, factor: 10}`` (attackers drawn from the seed) and
 ``server.robust.filter`` (or, for FedBuff, ``server.robust.aggregator``) at their defaults.
 Reported per run and as medians over seeds: final accuracy, virtual time to 90 %, true-rejection
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--only", default=None, help="comma-separated labels (strategy/attack/defense) to run")
     ap.add_argument("--quick", action="store_true", help="seed 0, max_virtual_time 20 (a smoke run)")
-    ap.add_argument("--horizon", type=float, default=60.0, help="server.max_virtual_time (quickstart: 150)")
+    ap.add_argument("--horizon", type=float, default=150.0, help="server.max_virtual_time (default: the quickstart's 150)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--table", action="store_true", help="print the table of an existing results file")
     ap.add_argument("--priority", action="store_true", help="only what the goals need, most needed first")
