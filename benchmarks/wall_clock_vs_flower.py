@@ -236,7 +236,9 @@ def main() -> None:
     ap.add_argument("--actors", type=int, default=20, help="Ray actors (tasks that can run at once)")
     ap.add_argument("--pool", choices=["per-actor", "flower-default"], default="per-actor",
                     help="the engine's worker threads: one per actor, or Flower's min(32, cpus + 4)")
-    ap.add_argument("--runs", default="fedbuff,flower-fedavg,fedasync")
+    ap.add_argument("--runs", default="fedbuff,flower-fedavg,fedasync",
+                    help="comma-separated: flower-fedavg, or a fedasync strategy with optional server keys "
+                         "as in --compare (fedbuff:scheduler.name=fastest)")
     ap.add_argument("--worker-niceness", type=int, default=0,
                     help="niceness of the Ray actors, both sides (Ray's default 15 starves them on a busy machine)")
     ap.add_argument("--max-wall", type=float, default=2400.0, help="give up on a run after this many seconds")
@@ -249,10 +251,11 @@ def main() -> None:
 
     from fedasync.cli.common import quiet_flower
 
-    base = load_config(args.config, ["clock.emulate=true", f"clock.time_scale={args.time_scale}",
-                                     "server.max_virtual_time=null", "server.max_versions=null",
-                                     "server.stop_at_target=true", f"server.max_wall_time={args.max_wall}",
-                                     "server.eval_every=1", f"simulation.num_actors={args.actors}", *args.sets])
+    common = ["clock.emulate=true", f"clock.time_scale={args.time_scale}",
+              "server.max_virtual_time=null", "server.max_versions=null",
+              "server.stop_at_target=true", f"server.max_wall_time={args.max_wall}",
+              "server.eval_every=1", f"simulation.num_actors={args.actors}", *args.sets]
+    base = load_config(args.config, common)
     target = base.server.target_accuracy or 0.9
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     if args.pool == "per-actor":  # both sides: the engine's executor gets one thread per actor
@@ -293,7 +296,10 @@ def main() -> None:
                 if name == "flower-fedavg":
                     info = _flower(grid, base, tl, args.max_wall, args.time_scale)
                 else:
-                    cfg = base.model_copy(update={"server": base.server.model_copy(update={"strategy": name})})
+                    # "fedbuff" or, as in --compare, "fedbuff:scheduler.name=fastest" (server keys)
+                    strategy, *keys = name.split(":")
+                    cfg = load_config(args.config, [*common, f"server.strategy={strategy}",
+                                                    *(f"server.{k}" for k in keys)])
                     info = _fedasync(grid, cfg, tl, Path(d))
                     # let the tasks still in flight drain before the next run is timed
                     time.sleep(max(2.0, 3.0 * args.time_scale))
@@ -320,7 +326,7 @@ def main() -> None:
     save()
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
     for n, r in result["runs"].items():
-        print(f"{n:>14}: {r['time_to_target_s']} s to {target:.0%} ({r['wall_s']} s wall)")
+        print(f"{n:>32}: {r['time_to_target_s']} s to {target:.0%} ({r['wall_s']} s wall)")
 
 
 if __name__ == "__main__":
