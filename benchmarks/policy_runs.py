@@ -109,3 +109,44 @@ def medians(runs: list[dict], order: list[str]) -> dict[str, dict]:
 
 def fmt(x: Any, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
+
+
+def grid_main(argv: list[str] | None, *, script: str, description: str, cells: list[tuple[str, list[str]]],
+              scenario: str, extract: Callable[[dict], dict[str, Any]], goals: Callable[[dict], dict],
+              table: Callable[[dict], str], priority: list[tuple[int, list[str]]] | None = None) -> int:
+    """The command line both grid benchmarks share: ``--seeds``, ``--only``, ``--quick``,
+    ``--horizon``, ``--out``, ``--table`` (and ``--priority`` where a plan is given). ``cells``
+    are (label, overrides) without the horizon; results go to ``results/<script>.json``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--only", default=None, help="comma-separated labels of the grid to run")
+    ap.add_argument("--quick", action="store_true", help="seed 0, max_virtual_time 20 (a smoke run)")
+    ap.add_argument("--horizon", type=float, default=150.0, help="server.max_virtual_time (default: the quickstart's 150)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--table", action="store_true", help="print the table of an existing results file")
+    if priority is not None:
+        ap.add_argument("--priority", action="store_true", help="only what the goals need, most needed first")
+    args = ap.parse_args(argv)
+    name = f"{script}-quick.json" if args.quick else f"{script}.json"
+    path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / name
+    if args.table:
+        print(table(json.loads(path.read_text())))
+        return 0
+    seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
+    only = set(args.only.split(",")) if args.only else None
+    horizon = 20.0 if args.quick else args.horizon
+    extra = [f"server.max_virtual_time={horizon:g}"]
+    grid = [(lbl, extra + o) for lbl, o in cells if only is None or lbl in only]
+    plan = ([(lbl, seed) for seed, labels in priority for lbl in labels]
+            if priority is not None and args.priority else None)
+    data = run_grid(grid, seeds, path, extract, meta={
+        "scenario": f"{scenario}, max_virtual_time={horizon:g}",
+        "command": " ".join([f"python benchmarks/{script}.py", *(argv if argv is not None else sys.argv[1:])])},
+        goals=goals, plan=plan)
+    data["goals"] = goals(data.get("medians", {}))
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    print(table(data))
+    print(json.dumps(data["goals"], indent=1))
+    return 0

@@ -21,13 +21,11 @@ A run already in the results file is not run again. ``--table`` prints the READM
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from policy_runs import ROOT, fmt, run_grid  # noqa: E402
+from policy_runs import fmt, grid_main  # noqa: E402
 
 STRATEGIES = ("fedbuff", "fedasync")
 
@@ -125,34 +123,8 @@ def table(data: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--only", default=None, help="comma-separated labels (strategy/attack/defense) to run")
-    ap.add_argument("--quick", action="store_true", help="seed 0, max_virtual_time 20 (a smoke run)")
-    ap.add_argument("--horizon", type=float, default=150.0, help="server.max_virtual_time (default: the quickstart's 150)")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--table", action="store_true", help="print the table of an existing results file")
-    ap.add_argument("--priority", action="store_true", help="only what the goals need, most needed first")
-    args = ap.parse_args(argv)
-    name = "robustness-quick.json" if args.quick else "robustness.json"
-    path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / name
-    if args.table:
-        print(table(json.loads(path.read_text())))
-        return 0
-    seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
-    only = set(args.only.split(",")) if args.only else None
-    horizon = 20.0 if args.quick else args.horizon
-    extra = [f"server.max_virtual_time={horizon:g}"]
-    cells = [(lbl, extra + o) for lbl, o in grid() if only is None or lbl in only]
-    plan = [(lbl, seed) for seed, labels in PRIORITY for lbl in labels] if args.priority else None
-    data = run_grid(cells, seeds, path, extract, meta={
-        "scenario": "quickstart, 20 % attackers, factor 10" + f", max_virtual_time={horizon:g}",
-        "command": " ".join(["python benchmarks/robustness.py", *(argv if argv is not None else sys.argv[1:])])}, goals=goals, plan=plan)
-    data["goals"] = goals(data.get("medians", {}))
-    path.write_text(json.dumps(data, indent=1) + "\n")
-    print(table(data))
-    print(json.dumps(data["goals"], indent=1))
-    return 0
+    return grid_main(argv, script="robustness", description=__doc__.splitlines()[0], cells=grid(),
+                     scenario="quickstart, 20 % attackers, factor 10", extract=extract, goals=goals, table=table, priority=PRIORITY)
 
 
 if __name__ == "__main__":

@@ -21,12 +21,11 @@ A run already in the results file is not run again. ``--table`` prints the READM
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from policy_runs import ROOT, fmt, run_grid  # noqa: E402
+from policy_runs import fmt, grid_main  # noqa: E402
 
 BASE = ["clock.sigma=1.5"]
 GRID: list[tuple[str, list[str]]] = [
@@ -94,36 +93,8 @@ def table(data: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--only", default=None, help="comma-separated labels of the grid to run")
-    ap.add_argument("--quick", action="store_true", help="seed 0, max_virtual_time 20 (a smoke run)")
-    ap.add_argument("--horizon", type=float, default=150.0, help="server.max_virtual_time (default: the quickstart's 150)")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--table", action="store_true", help="print the table of an existing results file")
-    args = ap.parse_args(argv)
-    name = "scheduling-quick.json" if args.quick else "scheduling.json"
-    path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / name
-    if args.table:
-        import json
-
-        print(table(json.loads(path.read_text())))
-        return 0
-    seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
-    only = set(args.only.split(",")) if args.only else None
-    horizon = 20.0 if args.quick else args.horizon
-    extra = [f"server.max_virtual_time={horizon:g}"]
-    grid = [(lbl, BASE + extra + o) for lbl, o in GRID if only is None or lbl in only]
-    data = run_grid(grid, seeds, path, extract, meta={
-        "scenario": "quickstart, clock.sigma=1.5" + f", max_virtual_time={horizon:g}",
-        "command": " ".join(["python benchmarks/scheduling.py", *(argv if argv is not None else sys.argv[1:])])}, goals=goals)
-    data["goals"] = goals(data.get("medians", {}))
-    import json
-
-    path.write_text(json.dumps(data, indent=1) + "\n")
-    print(table(data))
-    print(json.dumps(data["goals"], indent=1))
-    return 0
+    return grid_main(argv, script="scheduling", description=__doc__.splitlines()[0], cells=[(lbl, BASE + o) for lbl, o in GRID],
+                     scenario="quickstart, clock.sigma=1.5", extract=extract, goals=goals, table=table, priority=None)
 
 
 if __name__ == "__main__":
