@@ -46,6 +46,15 @@ def run_one(overrides: list[str], seed: int) -> dict:
     return s
 
 
+def dumps(data: dict) -> str:
+    """The results file: one line per run (its curve is long), the other keys one per line."""
+    def value(k: str, v: Any) -> str:
+        if k == "runs":
+            return "[\n" + ",\n".join("  " + json.dumps(r, separators=(",", ":")) for r in v) + "\n ]"
+        return json.dumps(v)
+    return "{\n" + ",\n".join(f" {json.dumps(k)}: {value(k, v)}" for k, v in data.items()) + "\n}\n"
+
+
 def median(xs: list[float | None]) -> float | None:
     """Median over seeds; ``None`` (e.g. never reached the target) counts as +infinity, so the
     median is ``None`` when most seeds missed."""
@@ -87,7 +96,7 @@ def run_grid(grid: list[tuple[str, list[str]]], seeds: list[int], path: Path,
                 data["goals"] = goals(data["medians"])
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(data, indent=1) + "\n")
+            tmp.write_text(dumps(data))
             tmp.replace(path)
             print(f"{label} seed {seed}: " + ", ".join(f"{k}={v}" for k, v in row.items()
                                                        if isinstance(v, (int, float)) and k != "seed"), flush=True)
@@ -146,7 +155,7 @@ def grid_main(argv: list[str] | None, *, script: str, description: str, cells: l
         "command": " ".join([f"python benchmarks/{script}.py", *(argv if argv is not None else sys.argv[1:])])},
         goals=goals, plan=plan)
     data["goals"] = goals(data.get("medians", {}))
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    path.write_text(dumps(data))
     print(table(data))
     print(json.dumps(data["goals"], indent=1))
     return 0
