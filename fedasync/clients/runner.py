@@ -92,7 +92,7 @@ def warm(setup_json: str, client_id: int | None = None, data_path: str | None = 
     ``auto`` builds its model in its own process (the data is still shared)."""
     torch.set_num_threads(1)
     s = json.loads(setup_json)
-    fed = _federated(json.dumps(s["data"], sort_keys=True), s["seed"])
+    fed = _federation(setup_json)
     if str(s.get("train", {}).get("device", "auto")).lower() == "cpu":
         import copy
 

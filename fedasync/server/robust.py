@@ -58,8 +58,9 @@ saved by ``state_dict`` as plain JSON (arrays as base64 of their bytes).
   ``server.staleness`` already dampens; ``fn: exponential`` with ``a = beta`` *is* Kardam's Λ).
   By construction Kardam rejects about ``f / N`` of honest updates (the paper's slowdown bound);
   ``byzantine_fraction = 0.03`` by default keeps a clean run under 5 % (the quickstart, 150
-  virtual s, seeds 0-2: 3.8-4.3 %; 0.04 gave 5.1 % with FedBuff, 0.05 5.6 % in calibration). Against a known attacker share set it to that share: with 20 % the calibration
-  run rejects 18.5 % of honest updates. State: the previous pseudo-gradient of every client and
+  virtual s, seeds 0-2: 3.8-4.3 %; 0.04 gave 5.1 % with FedBuff, 0.05 5.6 % in calibration).
+  Against a known attacker share set it to that share: with 20 % the calibration run rejects
+  18.5 % of honest updates. State: the previous pseudo-gradient of every client and
   the base models they refer to, ``O(clients x parameters)``.
 - ``norm`` (reason ``norm``) — reject (or, with ``clip: true``, clip to the threshold) an update
   whose ``||Δ||`` exceeds ``norm_multiplier`` × the median of the last ``window`` accepted norms

@@ -301,12 +301,11 @@ class Store:
             "finish_virtual": finish_virtual, "node_id": node_id, "message_id": message_id}], task_id + 1)
 
     def set_dispatch_status(self, run_id: int, task_id: int, status: str, error: str | None = None,
-                            loop_state: str | None = None, drop_params: list[int] | None = None) -> None:
+                            loop_state: str | None = None) -> None:
         now = time.time()
 
         def op(c: Connection) -> None:
             self._set_dispatch(c, run_id, task_id, status, error, now)
-            self._drop_params(c, run_id, drop_params)
             if loop_state is not None:
                 c.execute(update(_RUN).where(_RUN.c.id == run_id).values(loop_state=loop_state))
         self._write(op)
