@@ -78,6 +78,11 @@ def bare_loop(grid: Grid, nodes: list[int], params, n_updates: int, concurrency:
     return time.perf_counter() - t0
 
 
+#: per order of taking replies: (bare loop's key, fedasync loop's key) in the results
+KEYS = {"wall": ("bare_flower_updates_per_s", "fedasync_wall_updates_per_s"),
+        "virtual": ("bare_flower_virtual_order_updates_per_s", "fedasync_virtual_updates_per_s")}
+
+
 def bare_virtual_loop(grid: Grid, node_of: list[int], params, n_updates: int, concurrency: int, cfg,
                       examples: list[int]) -> float:
     """The bare loop in virtual-finish order: each task's virtual duration is drawn as fedasync
@@ -130,6 +135,9 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra config KEY=VALUE")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args()
+    bad = [c for c in args.clock.split(",") if c not in KEYS]
+    if bad:
+        ap.error(f"--clock: {', '.join(bad)} (known: {', '.join(KEYS)})")
     k = 10
     load_before = os.getloadavg()
     from fedasync.config import ConfigError
@@ -161,15 +169,13 @@ def main() -> None:
             node_of = [nodes[c % len(nodes)] for c in range(args.clients)]
             result.update({"updates": args.updates, "concurrency": args.concurrency, "clients": args.clients})
             for clock in args.clock.split(","):
+                bare, fed_key = KEYS[clock]
                 if clock == "wall":
                     t_bare = bare_loop(grid, nodes, params, args.updates, args.concurrency)
-                    result["bare_flower_updates_per_s"] = args.updates / t_bare
-                elif clock == "virtual":
+                else:
                     t_bare = bare_virtual_loop(grid, node_of, params, args.updates, args.concurrency, cfg,
                                                [len(p[1]) for p in fed.partitions])
-                    result["bare_flower_virtual_order_updates_per_s"] = args.updates / t_bare
-                else:
-                    raise ValueError(f"--clock: {clock!r} is neither wall nor virtual")
+                result[bare] = args.updates / t_bare
                 with tempfile.TemporaryDirectory() as d:
                     store = Store(f"sqlite:///{d}/bench.db")
                     server = AsyncServer(cfg, transport, store, clock=clock,
@@ -179,10 +185,8 @@ def main() -> None:
                     s = server.run()
                     t_fed = time.perf_counter() - t0
                     store.close()
-                key = "fedasync_wall_updates_per_s" if clock == "wall" else "fedasync_virtual_updates_per_s"
-                result[key] = s["updates_received"] / t_fed
-                base = "bare_flower_updates_per_s" if clock == "wall" else "bare_flower_virtual_order_updates_per_s"
-                result[f"ratio_{clock}"] = result[key] / result[base]
+                result[fed_key] = s["updates_received"] / t_fed
+                result[f"ratio_{clock}"] = result[fed_key] / result[bare]
             if "bare_flower_updates_per_s" in result and "fedasync_virtual_updates_per_s" in result:
                 # the figure the issue started from: the deterministic loop against the arrival-order bare loop
                 result["ratio_virtual_over_bare_arrival"] = (result["fedasync_virtual_updates_per_s"]
@@ -207,8 +211,7 @@ def main() -> None:
     old = old if all(isinstance(v, dict) for v in old.values()) else {}  # the flat layout before --model
     old[args.model] = result
     path.write_text(json.dumps(old, indent=2) + "\n")
-    for clock, bare, fed in (("wall", "bare_flower_updates_per_s", "fedasync_wall_updates_per_s"),
-                             ("virtual", "bare_flower_virtual_order_updates_per_s", "fedasync_virtual_updates_per_s")):
+    for clock, (bare, fed) in KEYS.items():
         if fed in result:
             print(f"{clock:7s} order: bare Flower {result[bare]:7.1f}  fedasync {result[fed]:7.1f} updates/s"
                   f"  ratio {result[f'ratio_{clock}']:.2f}")
