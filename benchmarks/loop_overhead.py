@@ -17,7 +17,11 @@ replies, each against the bare loop that takes them the same way:
   loop's, and the arrival-order bare loop (``bare_flower_updates_per_s``) does not pay it.
 
     python benchmarks/loop_overhead.py [--model mlp|fedavg_cnn] [--updates 1500] [--concurrency 20]
-                                       [--clock wall,virtual] [--set KEY=VALUE ...] [--out benchmarks/results]
+                                       [--clock wall,virtual] [--repeat 3] [--set KEY=VALUE ...]
+                                       [--out benchmarks/results]
+
+Each order runs ``--repeat`` bare/fedasync pairs back to back (the machine's load drifts from
+minute to minute on 2 cores); the pair with the median ratio is reported, all pairs are kept.
 
 Results go to ``loop_overhead.json`` under the model's name, with the machine's load average
 before and after (the ratios are what is compared; all loops share the load).
@@ -41,7 +45,7 @@ from fedasync.config import load_config
 from fedasync.server.app import GridTransport
 from fedasync.server.loop import AsyncServer
 from fedasync.store import Store
-from fedasync.wire import record_to_params, reply_content, task_content
+from fedasync.wire import params_to_record, record_to_params, reply_content, task_content
 
 noop = ClientApp()
 
@@ -54,11 +58,12 @@ def _echo(msg: Message, context: Context) -> Message:
 
 def bare_loop(grid: Grid, nodes: list[int], params, n_updates: int, concurrency: int) -> float:
     sent = 0
+    rec = params_to_record(params)  # built once, as Flower's strategies share one record per round
 
     def push(k: int) -> list[str]:
         nonlocal sent
         # round-robin over the nodes: a node runs one message at a time
-        msgs = [Message(task_content(params, {"task_id": sent + i}), dst_node_id=nodes[(sent + i) % len(nodes)],
+        msgs = [Message(task_content(rec, {"task_id": sent + i}), dst_node_id=nodes[(sent + i) % len(nodes)],
                         message_type="train") for i in range(k)]
         sent += k
         return list(grid.push_messages(msgs))
@@ -94,6 +99,7 @@ def bare_virtual_loop(grid: Grid, node_of: list[int], params, n_updates: int, co
     profiles = make_profiles(n_clients, cfg.clock, cfg.seed)
     steps = [steps_for(cfg.train, n) for n in examples]
     nbytes = int(sum(a.nbytes for a in params.values()))
+    rec = params_to_record(params)  # built once, as in bare_loop
     live: dict[str, float] = {}  # message id -> virtual finish
     arrived: set[str] = set()
     now, sent, done = 0.0, 0, 0
@@ -101,7 +107,7 @@ def bare_virtual_loop(grid: Grid, node_of: list[int], params, n_updates: int, co
     def push(k: int) -> None:
         nonlocal sent
         tids = range(sent, sent + k)
-        msgs = [Message(task_content(params, {"task_id": t}), dst_node_id=node_of[t % n_clients],
+        msgs = [Message(task_content(rec, {"task_id": t}), dst_node_id=node_of[t % n_clients],
                         message_type="train") for t in tids]
         for t, mid in zip(tids, grid.push_messages(msgs)):
             c = t % n_clients
@@ -131,10 +137,14 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=20)
     ap.add_argument("--clients", type=int, default=100)
     ap.add_argument("--clock", default="wall,virtual", help="which orders to measure (wall, virtual)")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="bare/fedasync pairs per order; the pair with the median ratio is reported")
     ap.add_argument("--model", default="mlp", help="model.name (mlp, cnn, fedavg_cnn where registered)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra config KEY=VALUE")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error("--repeat: at least 1")
     bad = [c for c in args.clock.split(",") if c not in KEYS]
     if bad:
         ap.error(f"--clock: {', '.join(bad)} (known: {', '.join(KEYS)})")
@@ -168,25 +178,30 @@ def main() -> None:
             bare_loop(grid, nodes, params, 100, args.concurrency)  # warm the actors
             node_of = [nodes[c % len(nodes)] for c in range(args.clients)]
             result.update({"updates": args.updates, "concurrency": args.concurrency, "clients": args.clients})
+            result["repeat"] = args.repeat
             for clock in args.clock.split(","):
                 bare, fed_key = KEYS[clock]
-                if clock == "wall":
-                    t_bare = bare_loop(grid, nodes, params, args.updates, args.concurrency)
-                else:
-                    t_bare = bare_virtual_loop(grid, node_of, params, args.updates, args.concurrency, cfg,
-                                               [len(p[1]) for p in fed.partitions])
-                result[bare] = args.updates / t_bare
-                with tempfile.TemporaryDirectory() as d:
-                    store = Store(f"sqlite:///{d}/bench.db")
-                    server = AsyncServer(cfg, transport, store, clock=clock,
-                                         node_for_client=lambda c: node_of[c])
-                    server._evaluate = lambda: None  # the loop without evaluation (the bare loops have none)
-                    t0 = time.perf_counter()
-                    s = server.run()
-                    t_fed = time.perf_counter() - t0
-                    store.close()
-                result[fed_key] = s["updates_received"] / t_fed
-                result[f"ratio_{clock}"] = result[fed_key] / result[bare]
+                ratios = []
+                for _ in range(args.repeat):  # bare, fedasync, bare, fedasync, ...: the same load drifts
+                    if clock == "wall":
+                        t_bare = bare_loop(grid, nodes, params, args.updates, args.concurrency)
+                    else:
+                        t_bare = bare_virtual_loop(grid, node_of, params, args.updates, args.concurrency, cfg,
+                                                   [len(p[1]) for p in fed.partitions])
+                    with tempfile.TemporaryDirectory() as d:
+                        store = Store(f"sqlite:///{d}/bench.db")
+                        server = AsyncServer(cfg, transport, store, clock=clock,
+                                             node_for_client=lambda c: node_of[c])
+                        server._evaluate = lambda: None  # the loop without evaluation (the bare loops have none)
+                        t0 = time.perf_counter()
+                        s = server.run()
+                        t_fed = time.perf_counter() - t0
+                        store.close()
+                    ratios.append((args.updates / t_bare, s["updates_received"] / t_fed))
+                # the pair with the median ratio; every pair is kept
+                result[f"pairs_{clock}"] = [[round(b, 2), round(f, 2), round(f / b, 3)] for b, f in ratios]
+                b, f = sorted(ratios, key=lambda r: r[1] / r[0])[len(ratios) // 2]
+                result[bare], result[fed_key], result[f"ratio_{clock}"] = b, f, f / b
             if "bare_flower_updates_per_s" in result and "fedasync_virtual_updates_per_s" in result:
                 # the figure the issue started from: the deterministic loop against the arrival-order bare loop
                 result["ratio_virtual_over_bare_arrival"] = (result["fedasync_virtual_updates_per_s"]

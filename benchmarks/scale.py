@@ -72,7 +72,10 @@ def tree_rss(proc: psutil.Process) -> int:
 
 
 def store_bytes(out: Path) -> int:
-    return sum(p.stat().st_size for p in out.glob("fedasync.db*") if p.is_file() and not p.name.endswith(".lock"))
+    """The database, its WAL and its parameter files (``fedasync.db-params/``: blobs.py)."""
+    files = [p for p in out.glob("fedasync.db*") if p.is_file() and not p.name.endswith(".lock")]
+    files += [p for p in (out / "fedasync.db-params").glob("*") if p.is_file()]
+    return sum(p.stat().st_size for p in files)
 
 
 def run_one(overrides: list[str], backend: str, workdir: Path, timeout: float) -> dict:

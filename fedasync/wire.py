@@ -7,6 +7,7 @@ Config and metrics travel as JSON because ConfigRecord cannot hold ``None`` or n
 
 from __future__ import annotations
 
+import io
 import json
 
 import numpy as np
@@ -20,11 +21,51 @@ def params_to_record(params: Params) -> ArrayRecord:
 
 
 def record_to_params(rec: ArrayRecord) -> Params:
-    return {k: rec[k].numpy() for k in rec.keys()}
+    """The arrays of ``rec``, read-only views of the message's bytes (no copy: a big model's
+    reply is decoded in a fraction of ``Array.numpy()``'s time)."""
+    return {k: _view(rec[k]) for k in rec.keys()}
 
 
-def task_content(params: Params, config: dict) -> RecordDict:
-    return RecordDict({"params": params_to_record(params), "task": ConfigRecord({"json": json.dumps(config)})})
+def _view(a: Array) -> np.ndarray:
+    """``a.numpy()`` without the copy: the .npy header parsed, the data viewed in place."""
+    data = a.data
+    if a.stype != "numpy.ndarray" or not isinstance(data, bytes):
+        return a.numpy()
+    # the header (magic, version, length, a dict literal) repeats from reply to reply: parsed
+    # once (numpy parses it with ast.literal_eval, ~0.1 ms each)
+    head = data[:12]
+    n = int.from_bytes(head[8:10], "little") + 10 if head[6:7] == b"\x01" else int.from_bytes(head[8:12], "little") + 12
+    key = data[:n]
+    parsed = _HEADERS.get(key)
+    if parsed is None:
+        bio = io.BytesIO(data)
+        try:
+            fmt = np.lib.format
+            major, _ = fmt.read_magic(bio)
+            read_header = fmt.read_array_header_1_0 if major == 1 else fmt.read_array_header_2_0
+            shape, fortran, dtype = read_header(bio)
+        except ValueError:
+            return a.numpy()  # let numpy say what is wrong
+        if dtype.hasobject or bio.tell() != n:
+            return a.numpy()  # refused there (allow_pickle=False), or a header numpy reads otherwise
+        parsed = (shape, fortran, dtype, int(np.prod(shape, dtype=np.int64)))
+        if len(_HEADERS) < 4096:
+            _HEADERS[key] = parsed
+    shape, fortran, dtype, count = parsed
+    if len(data) - n < count * dtype.itemsize:
+        return a.numpy()  # truncated: numpy's error
+    arr = np.frombuffer(data, dtype=dtype, count=count, offset=n)
+    return arr.reshape(shape[::-1]).transpose() if fortran else arr.reshape(shape)
+
+
+#: .npy header bytes -> (shape, fortran order, dtype, element count); see _view
+_HEADERS: dict[bytes, tuple] = {}
+
+
+def task_content(params: Params | ArrayRecord, config: dict) -> RecordDict:
+    """A task: the model (parameters, or their record already built) and the task's config."""
+    rec = params if isinstance(params, ArrayRecord) else params_to_record(params)
+    return RecordDict({"params": rec, "task": ConfigRecord({"json": json.dumps(config)})})
 
 
 def reply_content(result: dict) -> RecordDict:

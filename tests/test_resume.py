@@ -271,6 +271,40 @@ def test_retention_keeps_only_what_is_needed_and_resume_is_unchanged(tmp_path, t
     assert len(store.versions(run_id)) == summary["versions"] + 1  # every version keeps its row
 
 
+def _named_files(store: Store, run_id: int) -> set[str]:
+    from fedasync.store.blobs import is_marker
+
+    blobs = [v.parameters for v in store.versions(run_id)] + [u.pending_params for u in store.updates(run_id)]
+    return {b[4:].decode() for b in blobs if is_marker(b)}
+
+
+@pytest.mark.parametrize("strategy,point", [("fedbuff", ("record_reply", 5, True)),
+                                            ("fedbuff", ("record_reply", 9, False)),
+                                            ("fedasync", ("record_reply", 6, False))])
+def test_crash_with_parameters_in_files_then_resume(tmp_path, tmp_path_factory, monkeypatch, strategy, point):
+    """Every parameter blob in a file beside the database (threshold 0): a crash anywhere and a
+    resume still end as the uninterrupted run, and afterwards the files are exactly those the
+    rows name (the crash's leftovers swept, retention's deletions done)."""
+    ref = reference(make_cfg(strategy, store={"checkpoint_every": 1}), tmp_path_factory)
+    monkeypatch.setattr("fedasync.store.store.EXTERNAL_MIN_BYTES", 0)
+    cfg = make_cfg(strategy, store={"checkpoint_every": 0})
+    db = tmp_path / "s.db"
+    store = store_at(db)
+    crash_at(store, *point)
+    server = AsyncServer(cfg, LocalTransport(), store)
+    with pytest.raises(Crash):
+        server.run()
+    run_id = server.run_id
+    files = tmp_path / "s.db-params"
+    (files / f"r{run_id}-u999").write_bytes(b"left by a crash")
+    store = store_at(db)
+    summary = AsyncServer(cfg, LocalTransport(), store, resume_run_id=run_id).run()
+    check_invariants(store, summary)
+    assert_same_run(summary, ref)
+    on_disk = {p.name for p in files.iterdir()}
+    assert on_disk == _named_files(store, run_id) == {f"r{run_id}-v{v}" for v in _kept(store, run_id)}
+
+
 def test_resume_without_stored_parameters_fails_clearly(tmp_path):
     cfg = make_cfg("fedasync", store={"save_parameters": False}, server={"max_versions": 2})
     store = store_at(tmp_path / "s.db")

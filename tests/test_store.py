@@ -184,6 +184,17 @@ def test_params_round_trip_exactly(url):
     assert encode_params(decode_params(encode_params(PARAMS))) == encode_params(PARAMS)
 
 
+def test_the_store_format_keeps_shapes_dtypes_and_values_exactly():
+    from fedasync.store.store import pack_params, unpack_params
+
+    odd = {"scalar": np.array(3.5), "empty": np.zeros((0, 4), np.int64),
+           "strided": np.arange(10, dtype=np.float64)[::2], "fortran": np.asfortranarray(np.ones((2, 3), np.float16))}
+    back = unpack_params(pack_params(odd))
+    assert list(back) == list(odd)
+    for k, a in odd.items():
+        assert back[k].shape == a.shape and back[k].dtype == a.dtype and np.array_equal(back[k], a), k
+
+
 def test_dispatch_reply_and_version_in_one_transaction(url):
     store = Store(url)
     run = _run(store)
@@ -232,6 +243,70 @@ def test_dispatch_reply_and_version_in_one_transaction(url):
                               "params_sha256": "1" * 64, "received_virtual": 4.0})
     assert [(x.task_id, x.reason) for x in store.replays(run)] == [(2, "replay")]
     assert store.mark_in_flight(run, "cancelled") == 0
+
+
+def test_big_parameters_live_in_files_beside_a_sqlite_file(url, tmp_path):
+    """Blobs of at least EXTERNAL_MIN_BYTES go to ``<db>-params/`` (SQLite file only): the row
+    holds a marker, the file is written before the commit that names it and deleted after the
+    commit that forgets it; small ones and PostgreSQL's stay in the row. Round trips are exact."""
+    from fedasync.store.blobs import EXTERNAL_MIN_BYTES, is_marker
+
+    big = {"w": np.random.default_rng(0).standard_normal(EXTERNAL_MIN_BYTES // 4 + 10).astype(np.float32),
+           "b": np.arange(3, dtype=np.int64)}
+    store = Store(url)
+    on_files = url.startswith("sqlite")
+    files = tmp_path / "store.db-params"
+    run = store.create_run("t", "fedbuff", 3, "name: t\n", "simulation")
+    store.add_initial_version(run, big, "0" * 64)
+    store.record_dispatches(run, [{"task_id": t, "client_id": 0, "base_version": 0, "sent_virtual": 0.0,
+                                   "finish_virtual": 1.0, "node_id": None, "message_id": None} for t in (0, 1)],
+                            next_task_id=2)
+    row = {"client_id": 0, "base_version": 0, "version_at_arrival": 0, "staleness": 0, "weight": 1.0,
+           "num_examples": 10, "loss": 0.5, "epsilon": None, "params_sha256": "1" * 64, "accepted": True,
+           "reason": None, "received_virtual": 1.0, "pending_params": big}
+    store.record_reply(run, 0, row, "replied", None, "{}", 1.0)
+    store.record_reply(run, 1, dict(row, pending_params=PARAMS), "replied", None, "{}", 1.0)  # small: in the row
+    ups = {u.task_id: u for u in store.updates(run)}
+    assert is_marker(ups[0].pending_params) == on_files and not is_marker(ups[1].pending_params)
+    assert is_marker(store.versions(run)[0].parameters) == on_files
+    if on_files:
+        assert sorted(p.name for p in files.iterdir()) == [f"r{run}-u0", f"r{run}-v0"]
+    [(u0, p0), (u1, p1)] = store.pending_updates(run)
+    assert all(np.array_equal(p0[k], big[k]) and p0[k].dtype == big[k].dtype for k in big)
+    assert all(np.array_equal(p1[k], PARAMS[k]) for k in PARAMS)
+    # version 1 aggregates both updates and retention forgets version 0: both files go after the commit
+    store.record_dispatches(run, [{"task_id": 2, "client_id": 1, "base_version": 0, "sent_virtual": 0.0,
+                                   "finish_virtual": 1.0, "node_id": None, "message_id": None}], next_task_id=3)
+    store.record_reply(run, 2, dict(row, pending_params=None, client_id=1), "replied",
+                       {"version": 1, "parent": 0, "sha256": "2" * 64, "params": big, "task_ids": [0, 1]},
+                       "{}", 2.0, drop_params=[0])
+    assert store.pending_updates(run) == []
+    v, p = store.load_version(run)
+    assert v == 1 and all(np.array_equal(p[k], big[k]) for k in big)
+    if on_files:
+        assert sorted(p.name for p in files.iterdir()) == [f"r{run}-v1"]
+        # a crash between a file and its commit leaves a file no row names: resume sweeps it
+        (files / f"r{run}-u7").write_bytes(b"x")
+        (files / f"r{run}-v2.tmp").write_bytes(b"x")
+        assert store.sweep_params(run) == 2
+        assert sorted(p.name for p in files.iterdir()) == [f"r{run}-v1"]
+        # a row whose file is gone says so, naming the file
+        (files / f"r{run}-v1").unlink()
+        with pytest.raises(FileNotFoundError, match="-params/"):
+            store.load_version(run)
+    else:
+        assert not files.exists()
+
+
+def test_an_in_memory_sqlite_store_keeps_big_parameters_in_the_row():
+    from fedasync.store.blobs import EXTERNAL_MIN_BYTES, is_marker
+
+    store = Store("sqlite://")
+    run = store.create_run("t", "fedbuff", 3, "name: t\n", "simulation")
+    big = {"w": np.ones(EXTERNAL_MIN_BYTES // 4 + 10, np.float32)}
+    store.add_initial_version(run, big, "0" * 64)
+    assert not is_marker(store.versions(run)[0].parameters)
+    assert np.array_equal(store.load_version(run)[1]["w"], big["w"])
 
 
 def test_a_short_run_on_the_store(url, tmp_path):

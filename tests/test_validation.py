@@ -339,3 +339,28 @@ def test_timeout_and_late_policy(tmp_path, policy):
         assert all(u.accepted for u in ups) and summary["versions"] >= 4
         assert max(u.staleness for u in ups) > 0
     assert summary["tasks_failed"] == sum(d.status in ("timeout", "late") for d in ds.values())
+
+
+def test_reply_digests_inline_threaded_and_from_the_signature_check():
+    """The row's sha256 of a reply: a small model's inline, a big one's in a thread (same value),
+    the signature check's own when it hashed first, None for a reply without params."""
+    from fedasync.server.records import Digests
+    from fedasync.server.strategies import params_sha256
+    from fedasync.server.transport import Reply
+
+    d = Digests()
+    small = {"w": np.ones(10, np.float32)}
+    big = {"w": np.arange(Digests.BIG // 4 + 1, dtype=np.float32)}
+    try:
+        assert d.of(Reply(task_id=0, params=small), signing=False)() == params_sha256(small)
+        assert d._pool is None  # small: no thread
+        assert d.of(Reply(task_id=1, params=big), signing=False)() == params_sha256(big)
+        assert d._pool is not None
+        signed = Reply(task_id=2, params=big)
+        digest = d.of(signed, signing=True)
+        signed.params_sha256 = "f" * 64  # what the signature check computed and kept
+        assert digest() == "f" * 64
+        assert d.of(Reply(task_id=3, params=None), signing=False)() is None
+    finally:
+        d.close()
+    assert d._pool is None

@@ -37,13 +37,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from fedasync.config import Config, load_config
 from fedasync.server.loop import AsyncServer
 from fedasync.server.transport import Reply, TaskMsg
-from fedasync.wire import content_to_result, task_content
+from fedasync.server.params import Params
+from fedasync.wire import content_to_result, params_to_record, task_content
 
 log = logging.getLogger("fedasync")
 
@@ -59,9 +60,17 @@ class GridTransport:
     def __init__(self, grid: Grid, group_id: str = "fedasync"):
         self.grid = grid
         self.group_id = group_id
+        self._last: tuple[Params, ArrayRecord] | None = None  # (params, its record): see _record
 
     def node_ids(self) -> list[int]:
         return sorted(self.grid.get_node_ids())
+
+    def _record(self, params: Params) -> ArrayRecord:
+        """The ArrayRecord of ``params``, built once per model (the loop sends one params object
+        per version to many clients; Flower's strategies likewise share one record per round)."""
+        if self._last is None or self._last[0] is not params:
+            self._last = (params, params_to_record(params))
+        return self._last[1]
 
     def wait_for_nodes(self, n: int, timeout: float = 120.0) -> list[int]:
         t0 = time.time()
@@ -75,7 +84,7 @@ class GridTransport:
 
     def send(self, tasks: list[TaskMsg]) -> list[str | None]:
         msgs = [
-            Message(task_content(t.params, t.config), dst_node_id=t.node_id, message_type="train",
+            Message(task_content(self._record(t.params), t.config), dst_node_id=t.node_id, message_type="train",
                     group_id=self.group_id)
             for t in tasks
         ]

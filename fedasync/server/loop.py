@@ -52,12 +52,12 @@ from fedasync.config import Config
 from fedasync.server import resume
 from fedasync.server.clock import VirtualClock, WallClock, make_profiles, task_duration
 from fedasync.server.control import ROUND_CLOSED, StopControl, cancel_dropped, no_task_reason
-from fedasync.server.records import as_int, replay_row, update_row
+from fedasync.server.records import Digests, as_int, replay_row, update_row
 from fedasync.server.idle import IdleClients
 from fedasync.server.policy import Policies
 from fedasync.server.retention import Retention
 from fedasync.server.strategies import Update, make_strategy, params_sha256
-from fedasync.server.summary import build_summary
+from fedasync.server.summary import build_summary, progress_event
 from fedasync.server.transport import Live, Reply, TaskMsg, Transport, client_setup_json, task_seed
 from fedasync.server.validation import UpdateValidator
 from fedasync.store import Store
@@ -131,6 +131,7 @@ class AsyncServer:
         self._resend: list[Any] = []  # virtual-clock resume: dispatch rows to send again as they were
         self._priority: list[int] = []  # wall-clock resume: clients whose tasks were lost go first
         self._no_client_since: float | None = None
+        self.digests = Digests()  # the sha256 of each reply, for its row
 
         self._strategy_snapshot = self.strategy.state_dict()
         if resume_run_id is None:
@@ -161,8 +162,11 @@ class AsyncServer:
 
     # -- main --------------------------------------------------------------------------
     def run(self) -> dict:
-        with self.stop.signals():
-            return self._run()
+        try:
+            with self.stop.signals():
+                return self._run()
+        finally:
+            self.digests.close()
 
     def _run(self) -> dict:
         if self._resend:
@@ -418,6 +422,7 @@ class AsyncServer:
     def _take(self, t: Live, reply: Reply, dispatch_status: str | None = None) -> None:
         """Validate an update, hand it to the strategy, and record it with the version it made."""
         self.received += 1
+        digest = self.digests.of(reply, self.validator.signing)
         s = self.version - t.base_version
         if not isinstance(reply.metrics, dict):  # a malformed reply must not stop the run
             reply.metrics = {}
@@ -445,7 +450,7 @@ class AsyncServer:
             self.rejections[reason] = self.rejections.get(reason, 0) + 1
         row = update_row(t, reply, version_at_arrival=self.version - (1 if new_version else 0), staleness=s,
                          weight=weight, num_examples=num_examples, reason=reason, now=self.clock.now,
-                         pending=reason is None and t.task_id in self.strategy.pending())
+                         pending=reason is None and t.task_id in self.strategy.pending(), params_sha256=digest())
         if row["pending_params"] is not None:  # what the buffer holds (filtered / compensated), for a resume
             row["pending_params"] = upd.params
         privacy, client_state = (None, None) if self.privacy is None else \
@@ -499,14 +504,7 @@ class AsyncServer:
             self.time_to_target = self.clock.now
 
     def _emit(self) -> None:
-        last = self.history[-1] if self.history else {}
-        self.progress({
-            "version": self.version, "virtual_time_s": self.clock.now, "accuracy": last.get("accuracy"),
-            "updates": self.received, "accepted": self.accepted, "live": len(self.live),
-            "max_versions": self.cfg.server.max_versions, "max_virtual_time": self.cfg.server.max_virtual_time,
-            "epsilon_max": self.privacy.epsilon_max if self.privacy is not None else None,
-            "exhausted": len(self.exhausted),
-        })
+        self.progress(progress_event(self))
 
     # -- stopping and waiting ------------------------------------------------------------
     def _should_stop(self) -> str | None:

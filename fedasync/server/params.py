@@ -57,9 +57,49 @@ def params_sha256(p: Params) -> str:
     for k, v in p.items():
         arr = np.ascontiguousarray(v)
         header = json.dumps([str(k), arr.dtype.str, list(arr.shape)]).encode()
-        data = arr.tobytes()
         h.update(len(header).to_bytes(8, "little"))
         h.update(header)
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
+        h.update(arr.nbytes.to_bytes(8, "little"))
+        h.update(arr.reshape(-1).view(np.uint8))  # the raw bytes, without a copy
     return h.hexdigest()
+
+
+#: elements per block of :func:`mean_step` (its float64 work arrays stay in the CPU cache)
+_BLOCK = 1 << 15
+
+
+def mean_step(model: Params, deltas: list, coef: list[float], denom: float, lr: float) -> Params:
+    """``model + lr * (sum_i coef_i * delta_i) / denom`` in float64, cast back to ``model``'s dtypes.
+    Each of ``deltas`` is a float64 delta (``{name: array}``) or a pair ``(params, base)`` whose
+    delta ``float64(params) - float64(base)`` is made here, block by block. The result has
+    the plain expression's float operations in the same order (so the same bits), done block by
+    block so that the running sum stays in cache while every buffered update is added to it (a
+    big model's aggregation is bound by memory traffic, not arithmetic)."""
+    out: Params = {}
+    for k, ref in model.items():
+        ref = np.asarray(ref)
+        flat_x = ref.reshape(-1)
+        srcs = [(np.asarray(d[0][k]).reshape(-1), np.asarray(d[1][k]).reshape(-1)) if isinstance(d, tuple)
+                else np.asarray(d[k]).reshape(-1) for d in deltas]
+        res = np.empty(ref.shape, dtype=ref.dtype).reshape(-1)
+        n = flat_x.size
+        t, tmp = np.empty(min(n, _BLOCK)), np.empty(min(n, _BLOCK))
+        for lo in range(0, n, _BLOCK):
+            sl, m = slice(lo, min(n, lo + _BLOCK)), min(n, lo + _BLOCK) - lo
+            tb, wb = t[:m], tmp[:m]
+            tb.fill(0.0)
+            for c, src in zip(coef, srcs):
+                if isinstance(src, tuple):
+                    np.subtract(src[0][sl], src[1][sl], dtype=np.float64, out=wb)
+                    np.multiply(wb, c, out=wb)
+                else:
+                    np.multiply(src[sl], c, out=wb)
+                tb += wb
+            np.divide(tb, denom, out=tb)
+            np.multiply(lr, tb, out=tb)
+            np.add(flat_x[sl], tb, out=tb, dtype=np.float64)
+            if np.issubdtype(ref.dtype, np.integer):
+                np.rint(tb, out=tb)
+            res[sl] = tb
+        out[k] = res.reshape(ref.shape)
+    return out

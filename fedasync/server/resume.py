@@ -56,6 +56,10 @@ def restore(srv: AsyncServer, run_id: int) -> None:
         raise RuntimeError(f"run {run_id} is a {run.mode} run; it cannot be resumed in {srv.mode}")
     if run.status == "running":
         log.warning("run %d is marked running: resuming it (its server is assumed dead)", run_id)
+    swept = store.sweep_params(run_id)
+    if swept:
+        log.info("run %d: deleted %d parameter file(s) that no committed row names (left by the crash)",
+                 run_id, swept)
     try:
         srv.version, srv.params = store.load_version(run_id)
     except KeyError:

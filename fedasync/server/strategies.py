@@ -46,7 +46,7 @@ import numpy as np
 
 from fedasync.config import CentralDPConfig, ServerConfig
 from fedasync.server import robust
-from fedasync.server.params import Params, Params64, _cast_like, _check_like, _copy, _f64, params_norm, params_sha256, params_sub  # noqa: F401
+from fedasync.server.params import Params, Params64, _cast_like, _check_like, _copy, _f64, mean_step, params_norm, params_sha256, params_sub  # noqa: F401
 from fedasync.server.staleness import StalenessFn, make_staleness
 
 WEIGHTINGS = ("uniform", "examples")
@@ -217,6 +217,25 @@ class FedAsync(Strategy):
         return _cast_like(new, model)
 
 
+def _delta(e: dict[str, Any]) -> Params64:
+    """A buffered update's float64 delta (kept as its params and base until needed)."""
+    if "delta" in e:
+        return e["delta"]
+    return {k: np.subtract(e["params"][k], e["base"][k], dtype=np.float64) for k in e["params"]}
+
+
+def _delta_source(e: dict[str, Any]) -> Any:
+    """What :func:`~fedasync.server.params.mean_step` reads for a buffered entry."""
+    return e["delta"] if "delta" in e else (e["params"], e["base"])
+
+
+def _entry_state(e: dict[str, Any]) -> dict[str, Any]:
+    """A buffered entry as state: its delta, not the arrays it refers to."""
+    out = {k: v for k, v in e.items() if k not in ("params", "base", "delta")}
+    out["delta"] = _copy(_delta(e))
+    return out
+
+
 class FedBuff(Strategy):
     """Buffer ``S(s_i) * (x_i - x_base_i)``; every ``K`` updates step the model by their mean.
 
@@ -291,11 +310,12 @@ class FedBuff(Strategy):
             raise ValueError("fedbuff needs the update's base_params")
         _check_like(model, update.params, "update")
         _check_like(update.params, update.base_params, "update base")
-        xi, xb = _f64(update.params), _f64(update.base_params)
         entry = {
             "task_id": int(update.task_id),
             "client_id": int(update.client_id),
-            "delta": {k: xi[k] - xb[k] for k in xi},
+            # the delta float64(params) - float64(base) is made when it is used (_delta): a big
+            # model's float64 copy per buffered update costs more than the update's own work
+            "params": update.params, "base": update.base_params,
             "weight": self.weight(update),
             "num_examples": int(update.num_examples),
         }
@@ -320,22 +340,16 @@ class FedBuff(Strategy):
         if self.aggregator != "mean":
             return self._aggregate_robust(model, x, buf)
         if self.central_dp is not None:
-            total = self.central_dp.privatize([e["delta"] for e in buf], weights=[e["weight"] for e in buf])
-            denom = float(len(buf))
-        elif self.weighting == "uniform":
-            total = {k: np.zeros_like(v) for k, v in x.items()}
-            for e in buf:
-                for k in total:
-                    total[k] += e["weight"] * e["delta"][k]
+            total = self.central_dp.privatize([_delta(e) for e in buf], weights=[e["weight"] for e in buf])
             denom = float(len(buf))
         else:
-            total = {k: np.zeros_like(v) for k, v in x.items()}
-            for e in buf:
-                for k in total:
-                    total[k] += (e["num_examples"] * e["weight"]) * e["delta"][k]
-            denom = float(sum(e["num_examples"] for e in buf))
-            if denom <= 0:
+            uniform = self.weighting == "uniform"
+            coef = [e["weight"] if uniform else e["num_examples"] * e["weight"] for e in buf]
+            denom = float(len(buf)) if uniform else float(sum(e["num_examples"] for e in buf))
+            if not uniform and denom <= 0:
                 raise ValueError("fedbuff examples weighting: the buffered updates have 0 examples")
+            self._last = [e["task_id"] for e in buf]
+            return mean_step(model, [_delta_source(e) for e in buf], coef, denom, self.server_lr)
         new = {k: x[k] + self.server_lr * (total[k] / denom) for k in x}
         self._last = [e["task_id"] for e in buf]
         return _cast_like(new, model)
@@ -349,7 +363,7 @@ class FedBuff(Strategy):
             if denom <= 0:
                 raise ValueError("fedbuff examples weighting: the buffered updates have 0 examples")
             coef = [k * e["num_examples"] * e["weight"] / denom for e in buf]
-        u = [c * robust.flat({key: e["delta"][key] for key in x}) for c, e in zip(coef, buf)]  # x's key order
+        u = [c * robust.flat({key: d[key] for key in x}) for c, d in zip(coef, map(_delta, buf))]  # x's key order
         step = robust.unflat(robust.aggregate(u, self.aggregator, **self.aggregator_params), x)
         new = {key: x[key] + self.server_lr * step[key] for key in x}
         self._last = [e["task_id"] for e in buf]
@@ -360,9 +374,9 @@ class FedBuff(Strategy):
 
     def state_dict(self) -> dict[str, Any]:
         d = super().state_dict()
-        d["buffer"] = [dict(e, delta=_copy(e["delta"])) for e in self._buffer]
+        d["buffer"] = [_entry_state(e) for e in self._buffer]
         if self._held:
-            d["held"] = [dict(e, delta=_copy(e["delta"])) for e in self._held]
+            d["held"] = [_entry_state(e) for e in self._held]
         d["central_dp"] = self.central_dp.state_dict() if self.central_dp is not None else None
         return d
 

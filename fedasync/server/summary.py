@@ -1,4 +1,5 @@
-"""A run's summary (``summary.json``, the CLI's table): counts, times, accuracy, staleness."""
+"""A run's summary (``summary.json``, the CLI's table): counts, times, accuracy, staleness; and its
+progress events."""
 
 from __future__ import annotations
 
@@ -15,6 +16,18 @@ if TYPE_CHECKING:
 
 def percentile(xs: list[float], q: float) -> float | None:
     return float(np.percentile(xs, q)) if xs else None
+
+
+def progress_event(srv: AsyncServer) -> dict:
+    """What the loop reports after each reply (the CLI's progress bar, the deployment log)."""
+    last = srv.history[-1] if srv.history else {}
+    return {
+        "version": srv.version, "virtual_time_s": srv.clock.now, "accuracy": last.get("accuracy"),
+        "updates": srv.received, "accepted": srv.accepted, "live": len(srv.live),
+        "max_versions": srv.cfg.server.max_versions, "max_virtual_time": srv.cfg.server.max_virtual_time,
+        "epsilon_max": srv.privacy.epsilon_max if srv.privacy is not None else None,
+        "exhausted": len(srv.exhausted),
+    }
 
 
 def build_summary(srv: AsyncServer) -> dict:

@@ -55,6 +55,7 @@ class Reply:
     refused: str | None = None  # the client declined (e.g. privacy_budget_exhausted)
     signature: bytes | None = None
     arrival_wall: float = field(default_factory=time.time)
+    params_sha256: str | None = None  # set by whoever hashed ``params`` first (the signature check)
 
 
 class Transport(Protocol):

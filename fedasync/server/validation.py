@@ -116,6 +116,8 @@ class UpdateValidator:
             sha = params_sha256(reply.params)
         except Exception:  # arrays that cannot even be hashed cannot carry a valid signature
             return "bad_signature"
+        if hasattr(reply, "params_sha256"):
+            reply.params_sha256 = sha  # the update's row records it: not hashed twice
         ok = verify_update(self.public_keys[int(live.client_id)], reply.signature, run_id, live.task_id,
                            live.base_version, sha)
         return None if ok else "bad_signature"

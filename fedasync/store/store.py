@@ -22,6 +22,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from fedasync.store import schema as S
+from fedasync.store.blobs import EXTERNAL_MIN_BYTES, BlobFiles, is_marker
 from fedasync.store import serverless_schema as _serverless_schema  # noqa: F401  (its tables on S.Base)
 from fedasync.store.retry import retrying_transactions
 
@@ -66,9 +67,14 @@ def pack_params(params: Params) -> bytes:
     """The store's own format for ``model_versions.parameters`` and ``updates.pending_params``:
     ``FAP1``, a JSON header (names, dtypes, shapes), the raw arrays. Exact round trip, ~10x cheaper
     than ``.npz`` (this is on the loop's hot path); :func:`unpack_params` reads both."""
-    arrays = [np.ascontiguousarray(a) for a in params.values()]
+    return b"".join(pack_parts(params))
+
+
+def pack_parts(params: Params) -> list:
+    """:func:`pack_params` as a list of buffers (the arrays' own memory: no copy), to join or write."""
+    arrays = [np.asarray(a, order="C") for a in params.values()]  # (ascontiguousarray makes 0-d arrays 1-d)
     head = json.dumps([[k, a.dtype.str, list(a.shape)] for k, a in zip(params, arrays)]).encode()
-    return b"".join([_PACK, len(head).to_bytes(4, "little"), head, *(a.tobytes() for a in arrays)])
+    return [_PACK, len(head).to_bytes(4, "little"), head, *(a.reshape(-1).view(np.uint8) for a in arrays)]
 
 
 def unpack_params(blob: bytes) -> Params:
@@ -158,6 +164,9 @@ class Store:
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._batch: list[Callable[[Connection], Any]] | None = None
         self._next_task: dict[int, int] = {}  # run id -> next task id as committed by this store
+        # big parameter blobs as files beside a SQLite file (blobs.py); deleted after the commit
+        self.blobs = BlobFiles.for_sqlite(self.engine.url.database) if url.startswith("sqlite") else None
+        self._unlink: list[str] = []
 
     def close(self) -> None:
         self.engine.dispose()
@@ -229,7 +238,7 @@ class Store:
                      num_updates: int, virtual: float) -> S.ModelVersion:
         return S.ModelVersion(
             run_id=run_id, version=version, parent=parent, sha256=sha,
-            parameters=pack_params(params) if params is not None else None,
+            parameters=self._pack(params, f"r{run_id}-v{version}") if params is not None else None,
             num_updates=num_updates, created_virtual=virtual, created_wall=time.time(),
         )
 
@@ -246,7 +255,7 @@ class Store:
             row = s.scalars(q.order_by(S.ModelVersion.version.desc()).limit(1)).first()
             if row is None:
                 raise KeyError(f"run {run_id}: no stored parameters for version {version}")
-            return row.version, unpack_params(row.parameters)
+            return row.version, self._unpack(row.parameters)
 
     def versions(self, run_id: int) -> list[S.ModelVersion]:
         with self.session() as s:
@@ -282,9 +291,43 @@ class Store:
             self._commit(ops)
 
     def _commit(self, ops: list[Callable[[Connection], Any]]) -> None:
+        self._unlink = []
         with self.engine.begin() as conn:
             for op in ops:
                 op(conn)
+        self._unlink_committed()
+
+    # -- parameter blobs (in the row, or a file beside a SQLite file: blobs.py) -----------
+    def _pack(self, params: Params, key: str) -> bytes:
+        parts = pack_parts(params)
+        if self.blobs is not None and sum(len(p) for p in parts) >= EXTERNAL_MIN_BYTES:
+            return self.blobs.put(key, parts)
+        return b"".join(parts)
+
+    def _unpack(self, blob: bytes) -> Params:
+        if is_marker(blob):
+            if self.blobs is None:
+                raise ValueError(f"{self.url}: a row names a parameter file, but only a SQLite file has them")
+            blob = self.blobs.get(blob)
+        return unpack_params(blob)
+
+    def _unlink_committed(self) -> None:
+        """Delete the files of the blobs the transaction just committed forgot."""
+        keys, self._unlink = self._unlink, []
+        if keys and self.blobs is not None:
+            self.blobs.delete(keys)
+
+    def sweep_params(self, run_id: int) -> int:
+        """Delete run ``run_id``'s parameter files that no row names (a crash between a file and
+        its transaction). Only the server that owns the run may call it (on resume)."""
+        if self.blobs is None:
+            return 0
+        with self.session() as s:
+            named = set(s.scalars(select(_MV.c.parameters).where(_MV.c.run_id == run_id,
+                                                                 _MV.c.parameters.is_not(None))))
+            named |= set(s.scalars(select(_U.c.pending_params).where(_U.c.run_id == run_id,
+                                                                    _U.c.pending_params.is_not(None))))
+        return self.blobs.sweep(f"r{run_id}-", named)
 
     def _write(self, op: Callable[[Connection], Any]) -> None:
         """Run ``op`` in its own transaction, or in the open :meth:`batch`."""
@@ -310,12 +353,13 @@ class Store:
                 c.execute(update(_RUN).where(_RUN.c.id == run_id).values(loop_state=loop_state))
         self._write(op)
 
-    @staticmethod
-    def _drop_params(c: Connection, run_id: int, versions: list[int] | None) -> None:
-        """Retention: forget the parameters of ``versions`` (their rows stay)."""
+    def _drop_params(self, c: Connection, run_id: int, versions: list[int] | None) -> None:
+        """Retention: forget the parameters of ``versions`` (their rows stay; their files go after
+        the commit)."""
         if versions:
             c.execute(update(_MV).where(_MV.c.run_id == run_id, _MV.c.version.in_(versions))
                       .values(parameters=None))
+            self._unlink += [f"r{run_id}-v{v}" for v in versions]
 
     def versions_with_parameters(self, run_id: int) -> list[int]:
         with self.session() as s:
@@ -337,14 +381,15 @@ class Store:
         privacy spend, and the parameters of ``drop_params`` versions forgotten (retention)."""
         now = time.time()
         row = dict(update_row, run_id=run_id, task_id=task_id, received_wall=now)
-        row["pending_params"] = pack_params(row["pending_params"]) if row.get("pending_params") is not None \
-            else None
+        row["pending_params"] = self._pack(row["pending_params"], f"r{run_id}-u{task_id}") \
+            if row.get("pending_params") is not None else None
         version_row = None
         if new_version is not None:
             params = new_version.get("params")
             version_row = {
                 "run_id": run_id, "version": new_version["version"], "parent": new_version["parent"],
-                "sha256": new_version["sha256"], "parameters": pack_params(params) if params is not None else None,
+                "sha256": new_version["sha256"],
+                "parameters": self._pack(params, f"r{run_id}-v{new_version['version']}") if params is not None else None,
                 "num_updates": len(new_version["task_ids"]), "created_virtual": virtual_time, "created_wall": now}
         spends = [dict(r, run_id=run_id, task_id=task_id, recorded_wall=now)
                   for r in ([privacy] if isinstance(privacy, dict) else privacy or [])]
@@ -358,6 +403,7 @@ class Store:
                 c.execute(_INSERT_MV, version_row)
                 c.execute(_APPLIED, {"b_run": run_id, "b_ids": list(new_version["task_ids"]),
                                      "b_v": version_row["version"]})
+                self._unlink += [f"r{run_id}-u{t}" for t in new_version["task_ids"]]
                 c.execute(_RUN_VERSION, dict(run_values, b_cv=version_row["version"]))
             else:
                 c.execute(_RUN_STEP, run_values)
@@ -435,7 +481,7 @@ class Store:
                                                     S.Update.applied_in_version.is_(None),
                                                     S.Update.pending_params.is_not(None))
                              .order_by(S.Update.id))  # the order they were added in (float sums)
-            return [(r, unpack_params(r.pending_params)) for r in rows]
+            return [(r, self._unpack(r.pending_params)) for r in rows]
 
     def dispatches(self, run_id: int, status: str | None = None) -> list[S.Dispatch]:
         with self.session() as s:
@@ -450,12 +496,15 @@ class Store:
 
     def mark_in_flight(self, run_id: int, status: str, drop_params: list[int] | None = None) -> int:
         """Close every dispatch still in flight (at the end of a run, or on resume). Returns the count."""
+        self._unlink = []
         with self.session() as s:
             self._drop_params(s.connection(), run_id, drop_params)
             res = s.execute(_update(S.Dispatch)
                             .where(S.Dispatch.run_id == run_id, S.Dispatch.status == "in_flight")
                             .values(status=status, done_wall=time.time()))
-            return res.rowcount or 0
+            n = res.rowcount or 0
+        self._unlink_committed()
+        return n
 
     def counts(self, run_id: int) -> dict[str, int]:
         with self.session() as s:
