@@ -8,7 +8,8 @@
 # $FEDASYNC_PG_DIR (default /tmp/fedasync-pg) listening on 127.0.0.1:$FEDASYNC_PG_PORT (default
 # 54329) with trust authentication (a test server: local connections only), starts it and
 # creates the database $FEDASYNC_PG_DB (default fedasync_test). Idempotent: a second call
-# reuses the running server. Stop it with:
+# reuses the running server. When this call started the server it exports FEDASYNC_PG_STOP, the
+# command that stops it (.ci/run runs it on exit). By hand:
 #   runuser -u postgres -- /usr/lib/postgresql/*/bin/pg_ctl -D /tmp/fedasync-pg stop
 # Safe to source from a shell with `set -e`: failures return 1 with a message, never exit.
 
@@ -35,10 +36,13 @@ _fedasync_pg() {
     "${as[@]}" "$bin/initdb" -D "$dir" -A trust -U postgres -E UTF8 >"$dir.initdb.log" 2>&1 || {
       echo "postgres.sh: initdb failed:" >&2; cat "$dir.initdb.log" >&2; return 1; }
   fi
+  unset FEDASYNC_PG_STOP
   if ! "${as[@]}" "$bin/pg_ctl" -D "$dir" status >/dev/null 2>&1; then
     "${as[@]}" "$bin/pg_ctl" -D "$dir" -l "$dir/server.log" -w -t 60 \
       -o "-c listen_addresses=127.0.0.1 -p $port -k $dir -c fsync=off" start >/dev/null || {
       echo "postgres.sh: the server did not start:" >&2; tail -n 20 "$dir/server.log" >&2; return 1; }
+    # this call started it: how to stop it (only then; a server found running is left alone)
+    export FEDASYNC_PG_STOP="${as[*]} $bin/pg_ctl -D $dir stop -m fast"
   fi
   if ! "${as[@]}" "$bin/psql" -h 127.0.0.1 -p "$port" -U postgres -d postgres -tAc \
         "SELECT 1 FROM pg_database WHERE datname = '$db'" | grep -q 1; then

@@ -115,6 +115,10 @@ def run_one(overrides: list[str], backend: str, workdir: Path, timeout: float) -
     log.close()
     res: dict = {"wall_s": round(wall, 2), "peak_rss_total_mb": round(peak[0] / 2**20, 1), "returncode": rc,
                  "store_mb": round(store_bytes(out) / 2**20, 2) if out.exists() else None}
+    files = [p for p in (out / "fedasync.db-params").glob("*") if p.is_file()]
+    if files:  # of which: the parameter files beside the database (blobs.py)
+        res["params_files"] = len(files)
+        res["params_files_mb"] = round(sum(p.stat().st_size for p in files) / 2**20, 2)
     summary = out / "summary.json"
     if rc == 0 and summary.exists():
         s = json.loads(summary.read_text())
