@@ -17,7 +17,7 @@ Params = dict[str, np.ndarray]
 
 
 def params_to_record(params: Params) -> ArrayRecord:
-    return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in params.items()})
+    return ArrayRecord({k: Array(np.asarray(v, order="C")) for k, v in params.items()})  # (ascontiguousarray: 0-d -> 1-d)
 
 
 def record_to_params(rec: ArrayRecord) -> Params:
@@ -46,10 +46,10 @@ def _view(a: Array) -> np.ndarray:
             shape, fortran, dtype = read_header(bio)
         except ValueError:
             return a.numpy()  # let numpy say what is wrong
-        if dtype.hasobject or bio.tell() != n:
+        if dtype.hasobject or bio.tell() != n or any(d < 0 for d in shape):
             return a.numpy()  # refused there (allow_pickle=False), or a header numpy reads otherwise
         parsed = (shape, fortran, dtype, int(np.prod(shape, dtype=np.int64)))
-        if len(_HEADERS) < 4096:
+        if len(_HEADERS) < 4096 and n <= 4096:  # replies are untrusted: a bounded cache of short headers
             _HEADERS[key] = parsed
     shape, fortran, dtype, count = parsed
     if len(data) - n < count * dtype.itemsize:

@@ -336,23 +336,21 @@ class FedBuff(Strategy):
 
     def _aggregate(self, model: Params) -> Params:
         buf, self._buffer = self._buffer, []
-        x = _f64(model)
         if self.aggregator != "mean":
-            return self._aggregate_robust(model, x, buf)
+            return self._aggregate_robust(model, _f64(model), buf)
         if self.central_dp is not None:
+            x = _f64(model)
             total = self.central_dp.privatize([_delta(e) for e in buf], weights=[e["weight"] for e in buf])
-            denom = float(len(buf))
-        else:
-            uniform = self.weighting == "uniform"
-            coef = [e["weight"] if uniform else e["num_examples"] * e["weight"] for e in buf]
-            denom = float(len(buf)) if uniform else float(sum(e["num_examples"] for e in buf))
-            if not uniform and denom <= 0:
-                raise ValueError("fedbuff examples weighting: the buffered updates have 0 examples")
+            new = {k: x[k] + self.server_lr * (total[k] / float(len(buf))) for k in x}
             self._last = [e["task_id"] for e in buf]
-            return mean_step(model, [_delta_source(e) for e in buf], coef, denom, self.server_lr)
-        new = {k: x[k] + self.server_lr * (total[k] / denom) for k in x}
+            return _cast_like(new, model)
+        uniform = self.weighting == "uniform"
+        coef = [e["weight"] if uniform else e["num_examples"] * e["weight"] for e in buf]
+        denom = float(len(buf)) if uniform else float(sum(e["num_examples"] for e in buf))
+        if not uniform and denom <= 0:
+            raise ValueError("fedbuff examples weighting: the buffered updates have 0 examples")
         self._last = [e["task_id"] for e in buf]
-        return _cast_like(new, model)
+        return mean_step(model, [_delta_source(e) for e in buf], coef, denom, self.server_lr)
 
     def _aggregate_robust(self, model: Params, x: Params64, buf: list[dict[str, Any]]) -> Params:
         k = float(len(buf))
