@@ -17,7 +17,8 @@ Params = dict[str, np.ndarray]
 
 
 def params_to_record(params: Params) -> ArrayRecord:
-    return ArrayRecord({k: Array(np.asarray(v, order="C")) for k, v in params.items()})  # (ascontiguousarray: 0-d -> 1-d)
+    # np.asarray, not np.ascontiguousarray: that one makes a 0-d array 1-d
+    return ArrayRecord({k: Array(np.asarray(v, order="C")) for k, v in params.items()})
 
 
 def record_to_params(rec: ArrayRecord) -> Params:
@@ -34,7 +35,10 @@ def _view(a: Array) -> np.ndarray:
     # the header (magic, version, length, a dict literal) repeats from reply to reply: parsed
     # once (numpy parses it with ast.literal_eval, ~0.1 ms each)
     head = data[:12]
-    n = int.from_bytes(head[8:10], "little") + 10 if head[6:7] == b"\x01" else int.from_bytes(head[8:12], "little") + 12
+    if head[6:7] == b"\x01":  # version 1: a 2-byte header length, else 4
+        n = int.from_bytes(head[8:10], "little") + 10
+    else:
+        n = int.from_bytes(head[8:12], "little") + 12
     key = data[:n]
     parsed = _HEADERS.get(key)
     if parsed is None:

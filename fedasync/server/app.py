@@ -84,8 +84,8 @@ class GridTransport:
 
     def send(self, tasks: list[TaskMsg]) -> list[str | None]:
         msgs = [
-            Message(task_content(self._record(t.params), t.config), dst_node_id=t.node_id, message_type="train",
-                    group_id=self.group_id)
+            Message(task_content(self._record(t.params), t.config), dst_node_id=t.node_id,
+                    message_type="train", group_id=self.group_id)
             for t in tasks
         ]
         ids = [i for i in self.grid.push_messages(msgs)]
