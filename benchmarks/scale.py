@@ -71,11 +71,15 @@ def tree_rss(proc: psutil.Process) -> int:
     return total
 
 
+def params_files(out: Path) -> list[Path]:
+    """The parameter files beside the run's database (``fedasync.db-params/``: blobs.py)."""
+    return [p for p in (out / "fedasync.db-params").glob("*") if p.is_file()]
+
+
 def store_bytes(out: Path) -> int:
-    """The database, its WAL and its parameter files (``fedasync.db-params/``: blobs.py)."""
+    """The database, its WAL and its parameter files."""
     files = [p for p in out.glob("fedasync.db*") if p.is_file() and not p.name.endswith(".lock")]
-    files += [p for p in (out / "fedasync.db-params").glob("*") if p.is_file()]
-    return sum(p.stat().st_size for p in files)
+    return sum(p.stat().st_size for p in files + params_files(out))
 
 
 def run_one(overrides: list[str], backend: str, workdir: Path, timeout: float) -> dict:
@@ -115,8 +119,8 @@ def run_one(overrides: list[str], backend: str, workdir: Path, timeout: float) -
     log.close()
     res: dict = {"wall_s": round(wall, 2), "peak_rss_total_mb": round(peak[0] / 2**20, 1), "returncode": rc,
                  "store_mb": round(store_bytes(out) / 2**20, 2) if out.exists() else None}
-    files = [p for p in (out / "fedasync.db-params").glob("*") if p.is_file()]
-    if files:  # of which: the parameter files beside the database (blobs.py)
+    files = params_files(out)
+    if files:  # of which: the parameter files beside the database
         res["params_files"] = len(files)
         res["params_files_mb"] = round(sum(p.stat().st_size for p in files) / 2**20, 2)
     summary = out / "summary.json"

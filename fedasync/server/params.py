@@ -85,8 +85,8 @@ def mean_step(model: Params, deltas: list, coef: list[float], denom: float, lr: 
         n = flat_x.size
         t, tmp = np.empty(min(n, _BLOCK)), np.empty(min(n, _BLOCK))
         for lo in range(0, n, _BLOCK):
-            sl, m = slice(lo, min(n, lo + _BLOCK)), min(n, lo + _BLOCK) - lo
-            tb, wb = t[:m], tmp[:m]
+            hi = min(n, lo + _BLOCK)
+            sl, tb, wb = slice(lo, hi), t[:hi - lo], tmp[:hi - lo]
             tb.fill(0.0)
             for c, src in zip(coef, srcs):
                 if isinstance(src, tuple):
