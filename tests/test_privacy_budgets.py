@@ -174,3 +174,19 @@ def test_budget_view_says_what_the_client_would_refuse():
     assert remaining[4] == pytest.approx(3.0 - epsilon_of(plan.history_after(4), 1e-5, "rdp"))
     free = plan_client(0, 80, 10, 16, Budget(epsilon=None, delta=1e-5, planned_tasks=4, noise_multiplier=1.0), dp)
     assert budget_view(free, hist) == (None, True)
+
+
+def test_rdp_epsilon_is_opacus_accountant_bit_for_bit():
+    """epsilon_of's cached RDP path (one RDP vector per (sigma, q), times the steps) gives the
+    same float as a fresh Opacus RDPAccountant, over mixed histories, empty steps, q = 1 and
+    repeated (sigma, q) pairs (the cache hit)."""
+    import random
+
+    rng = random.Random(7)
+    pairs = [(0.5, 1 / 38), (0.94, 1 / 38), (1.3, 0.1), (2.0, 1.0), (0.7, 1 / 3)]
+    for _ in range(60):
+        hist = [(*rng.choice(pairs), rng.randint(0, 400)) for _ in range(rng.randint(1, 4))]
+        delta = rng.choice([1e-5, 1e-3])
+        got = epsilon_of(hist, delta, "rdp")
+        assert got == _fresh_eps("rdp", hist, delta), hist
+    assert epsilon_of([(0.94, 1 / 38, 0)], 1e-5, "rdp") == _fresh_eps("rdp", [(0.94, 1 / 38, 0)], 1e-5)
