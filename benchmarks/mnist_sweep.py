@@ -57,8 +57,8 @@ VARIANTS: dict[str, list[str]] = {
 
 def run_variant(name: str, horizon: float, tmp: Path) -> dict:
     out = tmp / f"{name}.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "mnist.py"), "--runs", "fedbuff_lr1_uniform", "--horizon", str(horizon),
-           "--set", "server.stop_at_target=true", "--out", str(out)]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "mnist.py"), "--runs", "fedbuff_lr1_uniform",
+           "--horizon", str(horizon), "--set", "server.stop_at_target=true", "--out", str(out)]
     for s in VARIANTS[name]:
         cmd += ["--set", s]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
