@@ -71,6 +71,10 @@ def run_variant(name: str, horizon: float, tmp: Path) -> dict:
         "wall_s", "history")}}
 
 
+def _fmt(t: float | None) -> str:
+    return "-" if t is None else f"{t:.1f}"
+
+
 def table(report: dict) -> str:
     fedavg = report.get("fedavg_time_to_97_s")
     lines = ["| variant | server overrides | to 90 % (virtual s) | to 97 % (virtual s) | vs FedAvg to 97 % | updates |",
@@ -78,9 +82,8 @@ def table(report: dict) -> str:
     for r in sorted(report["rows"], key=lambda r: r["time_to_97_s"] or float("inf")):
         t97 = r["time_to_97_s"]
         ratio = f"{fedavg / t97:.2f}×" if fedavg and t97 else "-"
-        fmt = (lambda t: "-" if t is None else f"{t:.1f}")
-        lines.append(f"| {r['variant']} | {' '.join(r['overrides']) or '(mnist.yaml)'} | {fmt(r['time_to_90_s'])} | "
-                     f"{fmt(t97)} | {ratio} | {r['updates']} |")
+        lines.append(f"| {r['variant']} | {' '.join(r['overrides']) or '(mnist.yaml)'} | {_fmt(r['time_to_90_s'])} | "
+                     f"{_fmt(t97)} | {ratio} | {r['updates']} |")
     return "\n".join(lines)
 
 

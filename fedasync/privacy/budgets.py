@@ -92,7 +92,8 @@ def history_steps(history: Iterable[Sequence] | None) -> int:
 def epsilon_of(history: Iterable[Sequence] | None, delta: float, accountant: str) -> float:
     """``get_epsilon(delta)`` of a fresh Opacus accountant loaded with ``history`` (0 if empty).
 
-    A zero noise multiplier gives ``inf``.
+    A zero noise multiplier gives ``inf``. Under ``rdp`` the same float comes from
+    :func:`_rdp_epsilon`, which caches each ``(sigma, q)``'s one-step RDP.
     """
     hist = as_history(history)
     if not hist:
