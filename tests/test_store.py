@@ -245,6 +245,43 @@ def test_dispatch_reply_and_version_in_one_transaction(url):
     assert store.mark_in_flight(run, "cancelled") == 0
 
 
+def blob_names(files) -> list[str]:
+    """The parameter files a store names or may name (not the spares it keeps to write over)."""
+    return sorted(p.name for p in files.iterdir() if p.name != ".spare")
+
+
+def test_deleted_parameter_files_are_written_over_then_removed(tmp_path):
+    """A deleted blob file becomes a spare the next blob is written over (cut to its length: a
+    smaller blob over a bigger spare reads back exactly); at most SPARE_FILES are kept; close()
+    and a resume's sweep delete them."""
+    from fedasync.store import blobs as B
+
+    bf = B.BlobFiles(tmp_path / "db-params")
+    big, small = os.urandom(3000), os.urandom(1000)
+    bf.put("r1-u0", [big[:1000], big[1000:]])
+    bf.put("r1-u1", [big])
+    bf.delete(["r1-u0", "r1-u1", "r1-missing"])
+    spares = sorted((tmp_path / "db-params" / ".spare").iterdir())
+    assert len(spares) == 2 and not (tmp_path / "db-params" / "r1-u0").exists()
+    inode = {p.stat().st_ino for p in spares}
+    assert bf.get(bf.put("r1-v5", [small])) == small  # written over a 3,000-byte spare
+    assert (tmp_path / "db-params" / "r1-v5").stat().st_ino in inode
+    assert len(list((tmp_path / "db-params" / ".spare").iterdir())) == 1
+    # a spare another process left (killed) goes at the sweep; this process's own stays
+    (tmp_path / "db-params" / ".spare" / "999999-1").write_bytes(b"x")
+    assert bf.sweep("r1-", {bf.put("r1-v6", [big])}) == 1  # r1-v5: no row names it
+    assert [p.name for p in (tmp_path / "db-params").iterdir() if p.is_file()] == ["r1-v6"]
+    assert len(list((tmp_path / "db-params" / ".spare").iterdir())) == 0  # v6 took the last own spare
+    bf.delete([f"r1-x{i}" for i in range(3)])  # nothing to keep
+    for i in range(B.SPARE_FILES + 3):
+        bf.put(f"r2-u{i}", [small])
+    bf.delete([f"r2-u{i}" for i in range(B.SPARE_FILES + 3)])
+    assert len(list((tmp_path / "db-params" / ".spare").iterdir())) == B.SPARE_FILES
+    bf.close()
+    assert not (tmp_path / "db-params" / ".spare").exists()
+    assert bf.get(bf.put("r2-u0", [small])) == small  # after close: a new file
+
+
 def test_big_parameters_live_in_files_beside_a_sqlite_file(url, tmp_path):
     """Blobs of at least EXTERNAL_MIN_BYTES go to ``<db>-params/`` (SQLite file only): the row
     holds a marker, the file is written before the commit that names it and deleted after the
@@ -270,7 +307,7 @@ def test_big_parameters_live_in_files_beside_a_sqlite_file(url, tmp_path):
     assert is_marker(ups[0].pending_params) == on_files and not is_marker(ups[1].pending_params)
     assert is_marker(store.versions(run)[0].parameters) == on_files
     if on_files:
-        assert sorted(p.name for p in files.iterdir()) == [f"r{run}-u0", f"r{run}-v0"]
+        assert blob_names(files) == [f"r{run}-u0", f"r{run}-v0"]
     [(u0, p0), (u1, p1)] = store.pending_updates(run)
     assert all(np.array_equal(p0[k], big[k]) and p0[k].dtype == big[k].dtype for k in big)
     assert all(np.array_equal(p1[k], PARAMS[k]) for k in PARAMS)
@@ -284,12 +321,12 @@ def test_big_parameters_live_in_files_beside_a_sqlite_file(url, tmp_path):
     v, p = store.load_version(run)
     assert v == 1 and all(np.array_equal(p[k], big[k]) for k in big)
     if on_files:
-        assert sorted(p.name for p in files.iterdir()) == [f"r{run}-v1"]
+        assert blob_names(files) == [f"r{run}-v1"]
         # a crash between a file and its commit leaves a file no row names: resume sweeps it
         (files / f"r{run}-u7").write_bytes(b"x")
         (files / f"r{run}-v2.tmp").write_bytes(b"x")
         assert store.sweep_params(run) == 2
-        assert sorted(p.name for p in files.iterdir()) == [f"r{run}-v1"]
+        assert blob_names(files) == [f"r{run}-v1"]
         # a row whose file is gone says so, naming the file
         (files / f"r{run}-v1").unlink()
         with pytest.raises(FileNotFoundError, match="-params/"):

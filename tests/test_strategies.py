@@ -441,15 +441,16 @@ def test_fedbuff_blockwise_mean_is_bit_identical_to_the_plain_expression():
         d = {k: p[k].astype(np.float64) - b[k].astype(np.float64) for k in p}
         buf.append(d if i == 3 else (p, b))
         deltas.append(d)
-    coef = [0.5, 1.0, 0.25, 2.0 / 3.0, 1e-3]
     x = _f64(model)
-    total = {k: np.zeros_like(v) for k, v in x.items()}
-    for c, d in zip(coef, deltas):
-        for k in total:
-            total[k] += c * d[k]
-    want = _cast_like({k: x[k] + 0.7 * (total[k] / 4.5) for k in x}, model)
-    got = mean_step(model, buf, coef, 4.5, 0.7)
-    assert list(got) == list(want)
-    for k in want:
-        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape
-        assert got[k].tobytes() == want[k].tobytes(), k
+    # weights of exactly 1 (skipped multiplications) on a pair and on a float64 delta, and none
+    for coef in ([0.5, 1.0, 0.25, 2.0 / 3.0, 1e-3], [1.0, 0.3, 1.0, 1.0, 0.7]):
+        total = {k: np.zeros_like(v) for k, v in x.items()}
+        for c, d in zip(coef, deltas):
+            for k in total:
+                total[k] += c * d[k]
+        want = _cast_like({k: x[k] + 0.7 * (total[k] / 4.5) for k in x}, model)
+        got = mean_step(model, buf, coef, 4.5, 0.7)
+        assert list(got) == list(want)
+        for k in want:
+            assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape
+            assert got[k].tobytes() == want[k].tobytes(), (coef, k)

@@ -74,7 +74,9 @@ def mean_step(model: Params, deltas: list, coef: list[float], denom: float, lr: 
     delta ``float64(params) - float64(base)`` is made here, block by block. The result has
     the plain expression's float operations in the same order (so the same bits), done block by
     block so that the running sum stays in cache while every buffered update is added to it (a
-    big model's aggregation is bound by memory traffic, not arithmetic)."""
+    big model's aggregation is bound by memory traffic, not arithmetic). Within a block each
+    distinct base is cast to float64 once (buffered updates share a few bases), and a weight of
+    exactly 1 skips its multiplication (``x * 1.0`` is ``x``)."""
     out: Params = {}
     for k, ref in model.items():
         ref = np.asarray(ref)
@@ -83,18 +85,33 @@ def mean_step(model: Params, deltas: list, coef: list[float], denom: float, lr: 
                 else np.asarray(d[k]).reshape(-1) for d in deltas]
         res = np.empty(ref.shape, dtype=ref.dtype).reshape(-1)
         n = flat_x.size
-        t, tmp = np.empty(min(n, _BLOCK)), np.empty(min(n, _BLOCK))
+        m = min(n, _BLOCK)
+        t, tmp = np.empty(m), np.empty(m)
+        bases: dict[int, np.ndarray] = {}  # id of a base's flat array -> its float64 block
+        for src in srcs:
+            if isinstance(src, tuple) and id(src[1]) not in bases:
+                bases[id(src[1])] = np.empty(m)
         for lo in range(0, n, _BLOCK):
             hi = min(n, lo + _BLOCK)
             sl, tb, wb = slice(lo, hi), t[:hi - lo], tmp[:hi - lo]
             tb.fill(0.0)
+            cast: set[int] = set()
             for c, src in zip(coef, srcs):
                 if isinstance(src, tuple):
-                    np.subtract(src[0][sl], src[1][sl], dtype=np.float64, out=wb)
-                    np.multiply(wb, c, out=wb)
-                else:
+                    bb = bases[id(src[1])][:hi - lo]
+                    if id(src[1]) not in cast:
+                        bb[...] = src[1][sl]
+                        cast.add(id(src[1]))
+                    wb[...] = src[0][sl]
+                    np.subtract(wb, bb, out=wb)
+                    if c != 1.0:
+                        np.multiply(wb, c, out=wb)
+                    tb += wb
+                elif c != 1.0:
                     np.multiply(src[sl], c, out=wb)
-                tb += wb
+                    tb += wb
+                else:
+                    tb += src[sl]
             np.divide(tb, denom, out=tb)
             np.multiply(lr, tb, out=tb)
             np.add(flat_x[sl], tb, out=tb, dtype=np.float64)

@@ -169,7 +169,14 @@ class Store:
         self._unlink: list[str] = []
 
     def close(self) -> None:
+        self.drop_spare_files()
         self.engine.dispose()
+
+    def drop_spare_files(self) -> None:
+        """Delete the parameter files this process kept to write over (blobs.py); the server calls
+        it when its run ends."""
+        if self.blobs is not None:
+            self.blobs.close()
 
     @contextmanager
     def session(self) -> Iterator[Session]:
