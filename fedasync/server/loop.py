@@ -42,7 +42,6 @@ Semantics (see docs in README "How the asynchronous loop works"):
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import time
 from typing import Any, Callable
@@ -66,19 +65,6 @@ from fedasync.store import Store
 log = logging.getLogger("fedasync")
 
 Params = dict[str, np.ndarray]
-
-
-@contextlib.contextmanager
-def frozen_gc():
-    """Every object alive when the run starts (the data, the model, the imported libraries: with
-    torch, about 200,000) is moved out of the cyclic collector's way for the run
-    (``gc.freeze``), and back after it. Otherwise each full collection the loop's own allocations
-    trigger walks all of them again (several per cent of a ``fedavg_cnn`` server's CPU)."""
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 class AsyncServer:
@@ -177,7 +163,7 @@ class AsyncServer:
     # -- main --------------------------------------------------------------------------
     def run(self) -> dict:
         try:
-            with self.stop.signals(), frozen_gc():
+            with self.stop.signals():
                 return self._run()
         finally:
             self.digests.close()
