@@ -1,0 +1,89 @@
+"""The fedasync loop's own CPU per update, without Flower's engine: the server loop (FedBuff,
+K = 10, 20 tasks in flight, the SQLite store, wall clock, no evaluation) over an in-process
+transport whose client echoes the model back through the wire format (each reply a fresh buffer,
+as a pulled message's). What ``benchmarks/loop_overhead.py`` compares with a bare Flower loop is
+this cost plus the engine's; this one isolates the part fedasync can change.
+
+    python benchmarks/loop_cost.py [--model fedavg_cnn] [--updates 800] [--repeat 3] [--set KEY=VALUE ...]
+
+MNIST from ``~/.cache/fedasync/mnist.npz`` when it is there (``benchmarks/mnist.py`` builds it),
+else the config's data set. Writes ``results/loop_cost.json`` (per model: the loop's CPU per
+update in ms, user and system, the echo's share subtracted; every repeat kept, the median shown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from fedasync.config import load_config
+from fedasync.server.loop import AsyncServer
+from fedasync.server.transport import LocalTransport
+from fedasync.store import Store
+from fedasync.wire import params_to_record, record_to_params
+
+MNIST = Path.home() / ".cache" / "fedasync" / "mnist.npz"
+
+
+def measure(cfg) -> dict:
+    echo_cpu = [0.0]
+
+    def echo(params, config):
+        t = time.process_time()
+        rec = params_to_record(params)
+        for k in list(rec.keys()):
+            rec[k].data = bytes(rec[k].data)  # a fresh buffer, as a message pulled from the engine
+        out = {"params": record_to_params(rec), "metrics": {"num_examples": 1, "loss": 0.0}}
+        echo_cpu[0] += time.process_time() - t
+        return out
+
+    with tempfile.TemporaryDirectory() as d:
+        store = Store(f"sqlite:///{d}/bench.db")
+        server = AsyncServer(cfg, LocalTransport(echo), store, clock="wall", node_for_client=lambda c: 0)
+        server._evaluate = lambda: None  # as in loop_overhead.py
+        t0, w0 = os.times(), time.perf_counter()
+        s = server.run()
+        t1, wall = os.times(), time.perf_counter() - w0
+        store.close()
+    n = s["updates_received"]
+    cpu = (t1.user - t0.user) + (t1.system - t0.system)
+    return {"updates": n, "loop_cpu_ms": round(1e3 * (cpu - echo_cpu[0]) / n, 3),
+            "user_ms": round(1e3 * (t1.user - t0.user) / n, 3), "system_ms": round(1e3 * (t1.system - t0.system) / n, 3),
+            "echo_cpu_ms": round(1e3 * echo_cpu[0] / n, 3), "wall_ms": round(1e3 * wall / n, 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="fedavg_cnn")
+    ap.add_argument("--updates", type=int, default=800)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra config KEY=VALUE")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    args = ap.parse_args()
+    data = ["data.dataset=files", f"data.path={MNIST}"] if MNIST.is_file() else []
+    cfg = load_config(None, [f"model.name={args.model}", *data, *args.overrides, "data.num_clients=100",
+                             "server.strategy=fedbuff", "server.concurrency=20", "server.buffer_size=10",
+                             f"server.max_versions={args.updates // 10}", "server.max_virtual_time=null",
+                             "server.eval_every=1000000", "server.poll_interval=0.005"])
+    runs = []
+    for i in range(args.repeat):
+        runs.append(measure(cfg))
+        print(f"[loop_cost] {args.model} run {i + 1}: {runs[-1]}", flush=True)
+    med = statistics.median(r["loop_cpu_ms"] for r in runs)
+    result = {"model": args.model, "data": "mnist.npz" if data else cfg.data.dataset, "loop_cpu_ms_median": med,
+              "runs": runs, "cpus": os.cpu_count()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "loop_cost.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    old[args.model] = result
+    path.write_text(json.dumps(old, indent=2) + "\n")
+    print(f"{args.model}: the loop's own CPU {med:.2f} ms per update (median of {len(runs)}); wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
