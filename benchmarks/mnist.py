@@ -50,20 +50,23 @@ THRESHOLDS = (0.70, 0.80, 0.90, 0.95, 0.97)
 # variants benchmarks/mnist_sweep.py tried (results/mnist_fedbuff_sweep.json); FedAvg is McMahan
 # et al.'s (uniform cohorts, no server learning rate), and ``fedavg_fastest`` gives it the same
 # scheduler, so that the comparison shows what the policy alone is worth to a synchronous server.
-FEDBUFF = ["server.strategy=fedbuff", "server.server_lr=1.5", "server.scheduler.name=fastest", "server.eval_every=2"]
+FEDBUFF_C20 = ["server.strategy=fedbuff", "server.server_lr=1.5", "server.scheduler.name=fastest", "server.eval_every=2"]
+FEDBUFF = [*FEDBUFF_C20, "server.concurrency=30"]
 RUNS: dict[str, list[str]] = {
     "fedavg": ["server.strategy=fedavg", "server.eval_every=1"],
     "fedavg_b4": ["server.strategy=fedavg", "server.backup_workers=4", "server.eval_every=1"],
     "fedavg_fastest": ["server.strategy=fedavg", "server.scheduler.name=fastest", "server.eval_every=1"],
+    "fedavg_c30": ["server.strategy=fedavg", "server.concurrency=30", "server.eval_every=1"],
     "fedbuff": FEDBUFF,
+    "fedbuff_c20": FEDBUFF_C20,
     "fedbuff_lr1_uniform": ["server.strategy=fedbuff", "server.eval_every=2"],  # mnist.yaml's own settings
     "fedasync": ["server.strategy=fedasync", "server.eval_every=20"],
-    "fedbuff_dp8": [*FEDBUFF, "privacy.local_dp.enabled=true",
+    "fedbuff_dp8": [*FEDBUFF_C20, "privacy.local_dp.enabled=true",
                     "privacy.local_dp.epsilon=8", "privacy.local_dp.delta=1e-5",
                     "privacy.local_dp.max_grad_norm=1.0", "privacy.local_dp.accountant=rdp"],
 }
 DEFAULT_RUNS = ["fedbuff", "fedavg", "fedasync", "fedavg_b4", "fedbuff_dp8"]
-ORDER = [*DEFAULT_RUNS, "fedavg_fastest", "fedbuff_lr1_uniform"]  # the last two on request
+ORDER = [*DEFAULT_RUNS, "fedavg_fastest", "fedavg_c30", "fedbuff_c20", "fedbuff_lr1_uniform"]  # on request
 
 
 def ensure_mnist(cache: Path = CACHE) -> Path:

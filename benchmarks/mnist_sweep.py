@@ -52,6 +52,13 @@ VARIANTS: dict[str, list[str]] = {
                                "server.staleness.fn=constant"],
     "fastest_lr1.5_adaptive": ["server.scheduler.name=fastest", "server.server_lr=1.5",
                                "server.staleness.fn=adaptive"],
+    "fastest_lr1.5_c30": ["server.scheduler.name=fastest", "server.server_lr=1.5", "server.concurrency=30"],
+    "fastest_lr1.5_c40": ["server.scheduler.name=fastest", "server.server_lr=1.5", "server.concurrency=40"],
+    "fastest_lr1.5_c40_K20": ["server.scheduler.name=fastest", "server.server_lr=1.5", "server.concurrency=40",
+                              "server.buffer_size=20"],
+    "fastest_lr1.5_c25": ["server.scheduler.name=fastest", "server.server_lr=1.5", "server.concurrency=25"],
+    "fastest_lr1.5_c35": ["server.scheduler.name=fastest", "server.server_lr=1.5", "server.concurrency=35"],
+    "fastest_lr2_c30": ["server.scheduler.name=fastest", "server.server_lr=2.0", "server.concurrency=30"],
 }
 
 
