@@ -251,16 +251,19 @@ def blob_names(files) -> list[str]:
 
 
 def test_deleted_parameter_files_are_written_over_then_removed(tmp_path):
-    """A deleted blob file becomes a spare the next blob is written over (cut to its length: a
-    smaller blob over a bigger spare reads back exactly); at most SPARE_FILES are kept; close()
-    and a resume's sweep delete them."""
+    """A buffered update's deleted blob file becomes a spare the next blob is written over (cut to
+    its length: a smaller blob over a bigger spare reads back exactly); a version's is unlinked;
+    at most SPARE_FILES are kept; close() and a resume's sweep delete them."""
     from fedasync.store import blobs as B
 
     bf = B.BlobFiles(tmp_path / "db-params")
     big, small = os.urandom(3000), os.urandom(1000)
     bf.put("r1-u0", [big[:1000], big[1000:]])
     bf.put("r1-u1", [big])
-    bf.delete(["r1-u0", "r1-u1", "r1-missing"])
+    bf.put("r1-v0", [big])
+    bf.delete(["r1-v0"])  # not as a spare: unlinked
+    assert not (tmp_path / "db-params" / "r1-v0").exists() and not (tmp_path / "db-params" / ".spare").exists()
+    bf.delete(["r1-u0", "r1-u1", "r1-missing"], spare=True)
     spares = sorted((tmp_path / "db-params" / ".spare").iterdir())
     assert len(spares) == 2 and not (tmp_path / "db-params" / "r1-u0").exists()
     inode = {p.stat().st_ino for p in spares}
@@ -272,10 +275,10 @@ def test_deleted_parameter_files_are_written_over_then_removed(tmp_path):
     assert bf.sweep("r1-", {bf.put("r1-v6", [big])}) == 1  # r1-v5: no row names it
     assert [p.name for p in (tmp_path / "db-params").iterdir() if p.is_file()] == ["r1-v6"]
     assert len(list((tmp_path / "db-params" / ".spare").iterdir())) == 0  # v6 took the last own spare
-    bf.delete([f"r1-x{i}" for i in range(3)])  # nothing to keep
+    bf.delete([f"r1-x{i}" for i in range(3)], spare=True)  # nothing to keep
     for i in range(B.SPARE_FILES + 3):
         bf.put(f"r2-u{i}", [small])
-    bf.delete([f"r2-u{i}" for i in range(B.SPARE_FILES + 3)])
+    bf.delete([f"r2-u{i}" for i in range(B.SPARE_FILES + 3)], spare=True)
     assert len(list((tmp_path / "db-params" / ".spare").iterdir())) == B.SPARE_FILES
     bf.close()
     assert not (tmp_path / "db-params" / ".spare").exists()
@@ -322,6 +325,7 @@ def test_big_parameters_live_in_files_beside_a_sqlite_file(url, tmp_path):
     assert v == 1 and all(np.array_equal(p[k], big[k]) for k in big)
     if on_files:
         assert blob_names(files) == [f"r{run}-v1"]
+        assert len(list((files / ".spare").iterdir())) == 1  # u0's file, kept to write over (v0's unlinked)
         # a crash between a file and its commit leaves a file no row names: resume sweeps it
         (files / f"r{run}-u7").write_bytes(b"x")
         (files / f"r{run}-v2.tmp").write_bytes(b"x")

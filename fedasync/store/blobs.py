@@ -12,12 +12,14 @@ a crash between the two leaves an unnamed file, which :meth:`BlobFiles.sweep` re
 Files are not fsynced, like the database itself (``synchronous=NORMAL``): a killed process loses
 nothing, a power cut may.
 
-Deleted files are kept as spares (``.spare/``, at most :data:`SPARE_FILES` and
-:data:`SPARE_BYTES` per process) and the next blob is written over one in place: a new 6.65 MB
-file costs the kernel its page-cache pages (allocated, then freed by the unlink), an overwrite
-does not (about 2.2 ms against 0.9 ms here). A spare is claimed by renaming it, so two processes
-never write the same one; :meth:`BlobFiles.close` deletes this process's spares, and a resume's
-:meth:`BlobFiles.sweep` those a killed process left.
+The deleted files of FedBuff's buffered updates (read only by the server that owns the run, on
+resume) are kept as spares (``.spare/``, at most :data:`SPARE_FILES` and :data:`SPARE_BYTES` per
+process) and the next blob is written over one in place: a new 6.65 MB file costs the kernel
+its page-cache pages (allocated, then freed by the unlink), an overwrite does not (about 2.2 ms
+against 0.9 ms here). A version's file, which a reader outside the server may have open, is
+unlinked (the reader keeps what it opened). A spare is claimed by renaming it, so two
+processes never write the same one; :meth:`BlobFiles.close` deletes this process's spares, and
+a resume's :meth:`BlobFiles.sweep` those a killed process left.
 """
 
 from __future__ import annotations
@@ -92,12 +94,15 @@ class BlobFiles:
             raise FileNotFoundError(f"the store names parameters in {path}, which is missing (was the database "
                                     f"copied without its {self.dir.name}/ directory?)") from None
 
-    def delete(self, keys: Iterable[str]) -> None:
+    def delete(self, keys: Iterable[str], spare: bool = False) -> None:
+        """Delete the files of ``keys``; with ``spare``, keep them (while there is room) for
+        :meth:`put` to write over: only for files no reader outside this process may have open
+        (written over in place, such a reader would see the new blob's bytes)."""
         if not self.dir.is_dir():  # nothing ever went to a file (a small model): no unlink per key
             return
         for k in keys:
             path = self.dir / k
-            if not self._keep_spare(path):
+            if not (spare and self._keep_spare(path)):
                 path.unlink(missing_ok=True)
 
     def _keep_spare(self, path: Path) -> bool:

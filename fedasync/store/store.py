@@ -166,7 +166,8 @@ class Store:
         self._next_task: dict[int, int] = {}  # run id -> next task id as committed by this store
         # big parameter blobs as files beside a SQLite file (blobs.py); deleted after the commit
         self.blobs = BlobFiles.for_sqlite(self.engine.url.database) if url.startswith("sqlite") else None
-        self._unlink: list[str] = []
+        self._unlink: list[str] = []  # files of blobs the open transaction forgets (versions)
+        self._recycle: list[str] = []  # ... of buffered updates' blobs: kept to write over (blobs.py)
 
     def close(self) -> None:
         self.drop_spare_files()
@@ -298,7 +299,7 @@ class Store:
             self._commit(ops)
 
     def _commit(self, ops: list[Callable[[Connection], Any]]) -> None:
-        self._unlink = []
+        self._unlink, self._recycle = [], []
         with self.engine.begin() as conn:
             for op in ops:
                 op(conn)
@@ -319,10 +320,17 @@ class Store:
         return unpack_params(blob)
 
     def _unlink_committed(self) -> None:
-        """Delete the files of the blobs the transaction just committed forgot."""
+        """Delete the files of the blobs the transaction just committed forgot. A buffered
+        update's file is read only by the server that owns the run (on resume), so it becomes a
+        spare to write over; a version's may be open in a reader outside the server, so it is
+        unlinked (the reader keeps what it opened)."""
         keys, self._unlink = self._unlink, []
-        if keys and self.blobs is not None:
-            self.blobs.delete(keys)
+        spares, self._recycle = self._recycle, []
+        if self.blobs is not None:
+            if keys:
+                self.blobs.delete(keys)
+            if spares:
+                self.blobs.delete(spares, spare=True)
 
     def sweep_params(self, run_id: int) -> int:
         """Delete run ``run_id``'s parameter files that no row names (a crash between a file and
@@ -410,7 +418,7 @@ class Store:
                 c.execute(_INSERT_MV, version_row)
                 c.execute(_APPLIED, {"b_run": run_id, "b_ids": list(new_version["task_ids"]),
                                      "b_v": version_row["version"]})
-                self._unlink += [f"r{run_id}-u{t}" for t in new_version["task_ids"]]
+                self._recycle += [f"r{run_id}-u{t}" for t in new_version["task_ids"]]
                 c.execute(_RUN_VERSION, dict(run_values, b_cv=version_row["version"]))
             else:
                 c.execute(_RUN_STEP, run_values)
@@ -503,7 +511,7 @@ class Store:
 
     def mark_in_flight(self, run_id: int, status: str, drop_params: list[int] | None = None) -> int:
         """Close every dispatch still in flight (at the end of a run, or on resume). Returns the count."""
-        self._unlink = []
+        self._unlink, self._recycle = [], []
         with self.session() as s:
             self._drop_params(s.connection(), run_id, drop_params)
             res = s.execute(_update(S.Dispatch)
