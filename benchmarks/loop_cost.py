@@ -53,7 +53,8 @@ def measure(cfg) -> dict:
     n = s["updates_received"]
     cpu = (t1.user - t0.user) + (t1.system - t0.system)
     return {"updates": n, "loop_cpu_ms": round(1e3 * (cpu - echo_cpu[0]) / n, 3),
-            "user_ms": round(1e3 * (t1.user - t0.user) / n, 3), "system_ms": round(1e3 * (t1.system - t0.system) / n, 3),
+            "user_ms": round(1e3 * (t1.user - t0.user) / n, 3),
+            "system_ms": round(1e3 * (t1.system - t0.system) / n, 3),
             "echo_cpu_ms": round(1e3 * echo_cpu[0] / n, 3), "wall_ms": round(1e3 * wall / n, 3)}
 
 

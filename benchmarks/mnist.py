@@ -53,7 +53,8 @@ THRESHOLDS = (0.70, 0.80, 0.90, 0.95, 0.97)
 # rate); ``fedavg_fastest`` gives it the same scheduler and ``fedavg_c30`` cohorts of 30, so that
 # the comparison shows what the policy and the extra clients alone are worth to a synchronous
 # server.
-FEDBUFF_C20 = ["server.strategy=fedbuff", "server.server_lr=1.5", "server.scheduler.name=fastest", "server.eval_every=2"]
+FEDBUFF_C20 = ["server.strategy=fedbuff", "server.server_lr=1.5", "server.scheduler.name=fastest",
+               "server.eval_every=2"]
 FEDBUFF = [*FEDBUFF_C20, "server.concurrency=30"]
 RUNS: dict[str, list[str]] = {
     "fedavg": ["server.strategy=fedavg", "server.eval_every=1"],
