@@ -201,6 +201,9 @@ def _fedasync(grid: Grid, cfg: Config, tl: Timeline, workdir: Path) -> dict:
                          node_for_client=lambda c: nodes[c % len(nodes)])
     summary = server.run()
     store.close()
+    # the tasks it left in flight: their replies pulled (Flower would keep them, and its engine walks
+    # every stored message for every node: the next run would be slower), waiting as long as a task
+    transport.drain([t.message_id for t in server.live.values()] + list(server.cancelled), timeout=600.0)
     return {"versions": summary["versions"], "updates": summary["updates_received"],
             "stop_reason": summary["stop_reason"], "staleness_mean": summary["staleness"]["mean"]}
 
@@ -300,9 +303,7 @@ def main() -> None:
                     strategy, *keys = name.split(":")
                     cfg = load_config(args.config, [*common, f"server.strategy={strategy}",
                                                     *(f"server.{k}" for k in keys)])
-                    info = _fedasync(grid, cfg, tl, Path(d))
-                    # let the tasks still in flight drain before the next run is timed
-                    time.sleep(max(2.0, 3.0 * args.time_scale))
+                    info = _fedasync(grid, cfg, tl, Path(d))  # (its leftover tasks drained)
                 result["runs"][name] = {
                     "time_to_target_s": None if tl.reached is None else round(tl.reached, 2),
                     "wall_s": round(time.perf_counter() - t0, 2), "evaluations": len(tl.evals),

@@ -496,3 +496,30 @@ def test_deploy_device_failures_cost_one_task(tmp_path):
     assert lost2 and all(d.status in gone for d in disp if d.client_id == 2 and d.task_id >= lost2[0].task_id)
     assert not [u for u in ups.values() if u.client_id == 2 and u.task_id >= lost2[0].task_id]
     assert store.get_run(rid).status == "finished"
+
+
+def test_grid_transport_drains_the_replies_a_run_left():
+    """``drain`` pulls the replies of the given messages as they come (Flower deletes a pulled
+    message and its reply), skips ids never sent, and gives up after its timeout, saying how
+    many never came."""
+    from types import SimpleNamespace as NS
+
+    from fedasync.server.app import GridTransport
+
+    class SlowGrid:
+        def __init__(self):
+            self.ready: set[str] = set()
+            self.pulls = 0
+
+        def pull_messages(self, ids):
+            self.pulls += 1
+            if self.pulls == 3:  # the replies arrive while drain waits
+                self.ready |= {"a", "b"}
+            got = [i for i in ids if i in self.ready]
+            self.ready -= set(got)
+            return [NS(metadata=NS(reply_to_message_id=i)) for i in got]
+
+    grid = SlowGrid()
+    t = GridTransport(grid)
+    assert t.drain(["a", "b", None]) == 0 and grid.pulls == 3
+    assert t.drain(["c"], timeout=0.1) == 1 and grid.pulls > 3
