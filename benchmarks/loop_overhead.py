@@ -43,6 +43,7 @@ from flwr.simulation import run_simulation
 
 from fedasync.config import load_config
 from fedasync.server.app import GridTransport
+from fedasync.server.control import open_messages
 from fedasync.server.loop import AsyncServer
 from fedasync.store import Store
 from fedasync.wire import params_to_record, record_to_params, reply_content, task_content
@@ -199,7 +200,7 @@ def main() -> None:
                         store.close()
                         # the tasks it left in flight: pulled, so that the next loop starts on the same
                         # engine (a bare loop after an undrained fedasync loop ran ~20 % slower)
-                        transport.drain([t.message_id for t in server.live.values()])
+                        transport.drain(open_messages(server))
                     ratios.append((args.updates / t_bare, s["updates_received"] / t_fed))
                 # the pair with the median ratio; every pair is kept
                 result[f"pairs_{clock}"] = [[round(b, 2), round(f, 2), round(f / b, 3)] for b, f in ratios]

@@ -178,6 +178,7 @@ def _flower(grid: Grid, cfg: Config, tl: Timeline, max_wall_s: float, time_scale
 
 def _fedasync(grid: Grid, cfg: Config, tl: Timeline, workdir: Path) -> dict:
     from fedasync.server.app import GridTransport
+    from fedasync.server.control import open_messages
     from fedasync.server.loop import AsyncServer
     from fedasync.store import Store
 
@@ -203,7 +204,7 @@ def _fedasync(grid: Grid, cfg: Config, tl: Timeline, workdir: Path) -> dict:
     store.close()
     # the tasks it left in flight: their replies pulled (Flower would keep them, and its engine walks
     # every stored message for every node: the next run would be slower), waiting as long as a task
-    transport.drain([t.message_id for t in server.live.values()] + list(server.cancelled), timeout=600.0)
+    transport.drain(open_messages(server), timeout=600.0)
     return {"versions": summary["versions"], "updates": summary["updates_received"],
             "stop_reason": summary["stop_reason"], "staleness_mean": summary["staleness"]["mean"]}
 

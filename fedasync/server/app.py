@@ -41,6 +41,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from fedasync.config import Config, load_config
+from fedasync.server.control import open_messages
 from fedasync.server.loop import AsyncServer
 from fedasync.server.transport import Reply, TaskMsg
 from fedasync.server.params import Params
@@ -298,7 +299,7 @@ def run_job(job: Job, grid: Grid) -> None:
             job.results.append(summary)
             job.on_result(label, cfg, summary)
             if i + 1 < len(job.configs):  # the next run starts on an engine without this one's leftovers
-                transport.drain([t.message_id for t in server.live.values()])
+                transport.drain(open_messages(server))
     except BaseException as e:  # the engine runs us in a thread: hand the error back
         job.error = e
         job.error_text = traceback.format_exc()

@@ -115,3 +115,9 @@ def cancel_dropped(srv: "AsyncServer") -> list[int]:
     for t, reply in late:
         srv.take_cancelled(t, reply)
     return dropped
+
+
+def open_messages(srv: "AsyncServer") -> list[str]:
+    """Message ids of ``srv``'s tasks still in flight and of its cancelled backups (after a run:
+    what it left on the Grid, for ``GridTransport.drain``)."""
+    return [t.message_id for t in srv.live.values() if t.message_id] + list(srv.cancelled)

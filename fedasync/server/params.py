@@ -87,21 +87,17 @@ def mean_step(model: Params, deltas: list, coef: list[float], denom: float, lr: 
         n = flat_x.size
         m = min(n, _BLOCK)
         t, tmp = np.empty(m), np.empty(m)
-        bases: dict[int, np.ndarray] = {}  # id of a base's flat array -> its float64 block
-        for src in srcs:
-            if isinstance(src, tuple) and id(src[1]) not in bases:
-                bases[id(src[1])] = np.empty(m)
+        # id of each distinct base's flat array -> (the array, its float64 block)
+        bases = {id(s[1]): (s[1], np.empty(m)) for s in srcs if isinstance(s, tuple)}
         for lo in range(0, n, _BLOCK):
             hi = min(n, lo + _BLOCK)
             sl, tb, wb = slice(lo, hi), t[:hi - lo], tmp[:hi - lo]
             tb.fill(0.0)
-            cast: set[int] = set()
+            for base, block in bases.values():
+                block[:hi - lo] = base[sl]
             for c, src in zip(coef, srcs):
                 if isinstance(src, tuple):
-                    bb = bases[id(src[1])][:hi - lo]
-                    if id(src[1]) not in cast:
-                        bb[...] = src[1][sl]
-                        cast.add(id(src[1]))
+                    bb = bases[id(src[1])][1][:hi - lo]
                     wb[...] = src[0][sl]
                     np.subtract(wb, bb, out=wb)
                     if c != 1.0:

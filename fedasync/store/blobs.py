@@ -6,8 +6,9 @@ with 4 KiB pages; a file, written and later deleted, takes ~3.6 ms
 BLOBs in SQLite": past ~100 KB, files are faster). So the :class:`~fedasync.store.Store` of a
 SQLite **file** keeps every parameter blob of at least :data:`EXTERNAL_MIN_BYTES` in
 ``<database>-params/`` and only a short marker in the row; small models (the MLP's 36 KB) stay
-in the row, and PostgreSQL keeps everything in the database. A blob's file is written before the transaction that names it commits and deleted
-only after the transaction that forgets it commits, so a committed row always finds its file;
+in the row, and PostgreSQL keeps everything in the database. A blob's file is written before
+the transaction that names it commits and deleted only after the transaction that forgets it
+commits, so a committed row always finds its file;
 a crash between the two leaves an unnamed file, which :meth:`BlobFiles.sweep` removes on resume.
 Files are not fsynced, like the database itself (``synchronous=NORMAL``): a killed process loses
 nothing, a power cut may.
