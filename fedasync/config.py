@@ -60,7 +60,7 @@ class DataConfig(_Section):
 
 class ModelConfig(_Section):
     # a name in fedasync.task.models.MODELS (the registry; tests check the two agree)
-    name: Literal["mlp", "cnn", "fedavg_cnn", "resnet20"] = "mlp"
+    name: Literal["mlp", "cnn", "fedavg_cnn", "resnet20", "dp_cnn"] = "mlp"
     hidden: int = Field(64, gt=0)
 
 

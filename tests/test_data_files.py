@@ -276,20 +276,23 @@ def test_registry_matches_the_config_and_param_counts():
     assert num_params(init_params(ModelConfig(name="fedavg_cnn"), (28, 28), 10, 0)) == 1_663_370
     assert num_params(init_params(ModelConfig(name="fedavg_cnn"), (784,), 10, 0)) == 1_663_370
     assert num_params(init_params(ModelConfig(name="resnet20"), (32, 32, 3), 10, 0)) == 272_474
+    # Papernot et al. 2021 / Opacus' MNIST example: 26,010 parameters on 28x28x1, 10 classes
+    assert num_params(init_params(ModelConfig(name="dp_cnn"), (28, 28), 10, 0)) == 26_010
+    assert num_params(init_params(ModelConfig(name="dp_cnn"), (784,), 10, 0)) == 26_010
     # the existing models are unchanged (their parameter counts and initial weights)
     assert num_params(init_params(ModelConfig(name="mlp"), (64,), 10, 0)) == 64 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10
     assert num_params(init_params(ModelConfig(name="cnn"), (64,), 10, 0)) == 16 * 9 + 16 + 32 * 16 * 9 + 32 + 32 * 16 * 10 + 10
 
 
-@pytest.mark.parametrize("name", ["fedavg_cnn", "resnet20"])
-def test_image_models_train_under_opacus(name):
+@pytest.mark.parametrize("name,side", [("fedavg_cnn", 8), ("resnet20", 8), ("dp_cnn", 14)])
+def test_image_models_train_under_opacus(name, side):
     from opacus import PrivacyEngine
     from opacus.validators import ModuleValidator
 
-    model = build_model(ModelConfig(name=name), (8, 8), CLASSES)
+    model = build_model(ModelConfig(name=name), (side, side), CLASSES)
     assert ModuleValidator.validate(model, strict=False) == []
     assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
-    x = torch.rand(16, 8, 8)
+    x = torch.rand(16, side, side)
     y = torch.arange(16) % CLASSES
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -301,6 +304,11 @@ def test_image_models_train_under_opacus(name):
         torch.nn.functional.cross_entropy(model(xb), yb).backward()
         opt.step()
     assert any(not torch.equal(a, b.detach()) for a, b in zip(before, model.parameters()))
+
+
+def test_dp_cnn_names_the_image_size_it_needs():
+    with pytest.raises(ValueError, match="dp_cnn: needs images of at least 14x14"):
+        build_model(ModelConfig(name="dp_cnn"), (8, 8), CLASSES)
 
 
 # -- a short run ------------------------------------------------------------------------------

@@ -85,7 +85,7 @@ def _cnn(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> nn
 
 def build_model(cfg: ModelConfig, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """A fresh model; its initial weights come from torch's global RNG (seed it first)."""
-    import fedasync.task.models_cnn  # noqa: F401  (registers fedavg_cnn, resnet20)
+    import fedasync.task.models_cnn  # noqa: F401  (registers fedavg_cnn, resnet20, dp_cnn)
 
     if num_classes < 2:
         raise ValueError(f"num_classes: {num_classes} (need at least 2)")
