@@ -410,3 +410,9 @@ def test_mnist_benchmark_runs_and_sweep_variants_are_valid_configs():
         assert cfg.model_dump(exclude={"server"}) == base.model_dump(exclude={"server"})
     tuned = load_config(yaml, bench.RUNS["fedbuff"])
     assert (tuned.server.server_lr, tuned.server.scheduler.name) == (1.5, "fastest")
+    # the dp_cnn rows: the same FedBuff on the small model without DP; with DP at epsilon 8
+    small = load_config(yaml, bench.RUNS["fedbuff_dpcnn"])
+    assert small.model.name == "dp_cnn"
+    assert small.model_dump(exclude={"model"}) == tuned.model_dump(exclude={"model"})
+    dp = load_config(yaml, bench.RUNS["fedbuff_dp8_dpcnn"])
+    assert (dp.model.name, dp.privacy.local_dp.enabled, dp.privacy.local_dp.epsilon) == ("dp_cnn", True, 8)
