@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 
@@ -190,3 +191,17 @@ def test_rdp_epsilon_is_opacus_accountant_bit_for_bit():
         got = epsilon_of(hist, delta, "rdp")
         assert got == _fresh_eps("rdp", hist, delta), hist
     assert epsilon_of([(0.94, 1 / 38, 0)], 1e-5, "rdp") == _fresh_eps("rdp", [(0.94, 1 / 38, 0)], 1e-5)
+
+
+def test_calibration_says_how_many_searches_it_runs(caplog):
+    cfg = load_config(None, ["data.num_clients=4", "server.concurrency=2", "server.buffer_size=2",
+                             "privacy.local_dp.enabled=true", "privacy.local_dp.epsilon=4",
+                             "privacy.local_dp.planned_tasks=3", "train.batch_size=32"])
+    with caplog.at_level(logging.INFO, logger="fedasync"):
+        plan_clients(cfg, [100, 100, 40, 20])  # three sample rates: three searches
+    assert [r.getMessage() for r in caplog.records] == [
+        "privacy: calibrating the noise multiplier for 3 distinct (epsilon, delta, sample rate, steps)"]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fedasync"):
+        plan_clients(cfg, [100, 100, 100, 100])  # one search: nothing to say
+    assert caplog.records == []

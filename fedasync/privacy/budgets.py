@@ -34,12 +34,15 @@ Definitions (written down in docs/privacy.md and pinned in tests):
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from fedasync.config import Config, LocalDPConfig, PrivacyConfig, parse_client_set
+
+log = logging.getLogger("fedasync")
 
 ACCOUNTANTS = ("rdp", "prv", "gdp")
 #: accountants that may enforce a budget, calibrate noise or account a run (gdp: reporting only)
@@ -292,6 +295,13 @@ def plan_clients(cfg: Config, sizes: Sequence[int]) -> list[ClientPlan]:
     budgets = resolve_budgets(cfg.privacy, cfg.data.num_clients)
     if len(sizes) != len(budgets):
         raise PrivacyError(f"data.num_clients: {len(budgets)} clients but {len(sizes)} partitions")
+    dp = cfg.privacy.local_dp
+    todo = {(b.epsilon, b.delta, sample_rate_for(int(n), cfg.train.batch_size),
+             steps_for(cfg.train, int(n)) * b.planned_tasks) for n, b in zip(sizes, budgets)
+            if b.noise_multiplier is None and b.epsilon is not None}
+    if len(todo) > 1:  # each is a search over sigma in Opacus (about 1-2 s); cached for the process
+        log.info("privacy: calibrating the noise multiplier for %d distinct (epsilon, delta, sample rate, steps)",
+                 len(todo))
     return [plan_client(c, int(n), steps_for(cfg.train, int(n)), cfg.train.batch_size, b, cfg.privacy.local_dp)
             for c, (n, b) in enumerate(zip(sizes, budgets))]
 
