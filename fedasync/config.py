@@ -156,6 +156,10 @@ class ServerConfig(_Section):
     robust: RobustConfig = RobustConfig()
     max_staleness: int | None = Field(None, ge=0)
     eval_every: int = Field(5, gt=0)
+    # the model the server evaluates and reports: the mean of its last average_last versions
+    # (Polyak-Ruppert tail averaging: smooths the noise of local DP and of asynchrony at no cost in
+    # epsilon, it is post-processing); clients always train from the latest version. 1: the latest
+    average_last: int = Field(1, ge=1)
     max_versions: int | None = Field(None, gt=0)
     max_virtual_time: float | None = Field(None, gt=0)
     max_wall_time: float | None = Field(None, gt=0)

@@ -271,6 +271,45 @@ def test_retention_keeps_only_what_is_needed_and_resume_is_unchanged(tmp_path, t
     assert len(store.versions(run_id)) == summary["versions"] + 1  # every version keeps its row
 
 
+def test_average_last_evaluates_the_mean_of_the_last_versions_and_resumes(tmp_path, tmp_path_factory):
+    """server.average_last: 3 trains exactly the run of average_last 1 (the same model, version for
+    version) but evaluates the mean of the last three versions; retention keeps those three, and a
+    run killed and resumed ends as the uninterrupted one."""
+    from fedasync.server.params import params_mean
+    from fedasync.task.models import set_params
+    from fedasync.task.train import evaluate
+
+    plain = reference(make_cfg("fedbuff", store={"checkpoint_every": 1}), tmp_path_factory)
+    cfg1 = make_cfg("fedbuff", server={"average_last": 3}, store={"checkpoint_every": 1})
+    store = store_at(tmp_path / "every.db")
+    srv = AsyncServer(cfg1, LocalTransport(), store)
+    ref = srv.run()
+    assert ref["model_sha256"] == plain["model_sha256"]  # training is untouched
+    assert [h["loss"] for h in ref["history"][1:]] != [h["loss"] for h in plain["history"][1:]]  # v0 alike
+    for h in ref["history"]:
+        v = h["version"]
+        mean = params_mean([store.load_version(ref["run_id"], u)[1] for u in range(max(0, v - 2), v + 1)])
+        set_params(srv.eval_model, mean)
+        assert evaluate(srv.eval_model, srv.x_test, srv.y_test) == (h["loss"], h["accuracy"])
+
+    cfg = make_cfg("fedbuff", server={"average_last": 3}, store={"checkpoint_every": 0})
+    db = tmp_path / "s.db"
+    store = store_at(db)
+    crash_at(store, "record_reply", 9, False)
+    server = AsyncServer(cfg, LocalTransport(), store)
+    with pytest.raises(Crash):
+        server.run()
+    store = store_at(db)
+    run_id = server.run_id
+    cur = store.get_run(run_id).current_version
+    assert cur == 2 and _kept(store, run_id) >= _needed(store, run_id, 0) | {0, 1, 2}
+    summary = AsyncServer(cfg, LocalTransport(), store, resume_run_id=run_id).run()
+    check_invariants(store, summary)
+    assert_same_run(summary, ref)
+    last = summary["versions"]
+    assert _kept(store, run_id) == _needed(store, run_id, 0) | {last - 2, last - 1, last}
+
+
 def _named_files(store: Store, run_id: int) -> set[str]:
     from fedasync.store.blobs import is_marker
 

@@ -454,3 +454,20 @@ def test_fedbuff_blockwise_mean_is_bit_identical_to_the_plain_expression():
         for k in want:
             assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape
             assert got[k].tobytes() == want[k].tobytes(), (coef, k)
+
+
+def test_params_mean_is_the_mean_per_array_in_the_first_dtypes():
+    from fedasync.server.params import params_mean
+
+    a = {"w": np.array([1.0, 2.0], np.float32), "n": np.array(3, np.int64)}
+    b = {"w": np.array([2.0, 4.0], np.float32), "n": np.array(4, np.int64)}
+    c = {"w": np.array([6.0, 0.0], np.float32), "n": np.array(4, np.int64)}
+    m = params_mean([a, b, c])
+    assert list(m) == ["w", "n"] and m["w"].dtype == np.float32 and m["n"].dtype == np.int64
+    np.testing.assert_array_equal(m["w"], np.array([3.0, 2.0], np.float32))
+    assert int(m["n"]) == 4  # 11/3 rounded
+    assert all(np.array_equal(params_mean([a])[k], a[k]) for k in a)
+    with pytest.raises(ValueError, match="keys differ"):
+        params_mean([a, {"w": a["w"]}])
+    with pytest.raises(ValueError, match="no parameters"):
+        params_mean([])

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import deque
 from typing import Any, Callable
 
 import numpy as np
@@ -54,6 +55,7 @@ from fedasync.server.clock import VirtualClock, WallClock, make_profiles, task_d
 from fedasync.server.control import ROUND_CLOSED, StopControl, cancel_dropped, no_task_reason
 from fedasync.server.records import Digests, as_int, replay_row, update_row
 from fedasync.server.idle import IdleClients
+from fedasync.server.params import params_mean
 from fedasync.server.policy import Policies
 from fedasync.server.retention import Retention
 from fedasync.server.strategies import Update, make_strategy, params_sha256
@@ -143,7 +145,9 @@ class AsyncServer:
                 {"client_id": p.client_id, "profile": p.__dict__} for p in self.profiles
             ])
             store.add_initial_version(self.run_id, self.params, params_sha256(self.params))
-            self.retention = Retention(cfg.store.checkpoint_every, cfg.store.save_parameters, held=[0])
+            self.retention = Retention(cfg.store.checkpoint_every, cfg.store.save_parameters, held=[0],
+                                       keep_last=cfg.server.average_last)
+            self.tail: deque[Params] = deque([self.params], maxlen=cfg.server.average_last)
         else:
             resume.restore(self, resume_run_id)
         self.model_bytes = int(sum(a.nbytes for a in self.params.values()))
@@ -476,6 +480,7 @@ class AsyncServer:
         parent = self.version
         self.version += 1
         self.params = new
+        self.tail.append(new)
         return {
             "version": self.version, "parent": parent, "sha256": params_sha256(new),
             "params": new if self.cfg.store.save_parameters else None,
@@ -493,7 +498,7 @@ class AsyncServer:
         from fedasync.task.models import set_params
         from fedasync.task.train import evaluate
 
-        set_params(self.eval_model, self.params)
+        set_params(self.eval_model, self.eval_params())
         loss, acc = evaluate(self.eval_model, self.x_test, self.y_test)
         if self.history and self.history[-1]["version"] == self.version:
             return
@@ -503,6 +508,11 @@ class AsyncServer:
         target = self.cfg.server.target_accuracy
         if target is not None and self.time_to_target is None and acc >= target:
             self.time_to_target = self.clock.now
+
+    def eval_params(self) -> Params:
+        """The model the server evaluates and reports: the latest version, or the mean of the last
+        ``server.average_last`` (fewer while the run has fewer versions)."""
+        return self.params if len(self.tail) == 1 else params_mean(list(self.tail))
 
     def _emit(self) -> None:
         self.progress(progress_event(self))

@@ -46,6 +46,16 @@ def params_sub(a: Params, b: Params) -> Params:
     return _cast_like({k: np.asarray(a[k], np.float64) - np.asarray(b[k], np.float64) for k in a}, a)
 
 
+def params_mean(ps: list[Params]) -> Params:
+    """The mean of ``ps`` per array (float64 inside, summed in list order; cast back to the first's
+    dtypes, integers rounded)."""
+    if not ps:
+        raise ValueError("params_mean: no parameters")
+    for p in ps[1:]:
+        _check_like(ps[0], p)
+    return _cast_like({k: sum(np.asarray(p[k], np.float64) for p in ps) / len(ps) for k in ps[0]}, ps[0])
+
+
 def params_norm(p: Params) -> float:
     """Global L2 norm over all arrays, in float64."""
     return float(np.sqrt(sum(float(np.sum(np.square(np.asarray(v, np.float64)))) for v in p.values())))

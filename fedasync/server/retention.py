@@ -7,12 +7,14 @@ are kept only while something needs them:
 * a checkpoint every ``checkpoint_every`` versions (``0``: none; v0 is one when it is not 0);
 * the base version of every task still live (a resumed simulation re-sends it as it was);
 * the base version of every update still waiting in the strategy's buffer (a resumed server
-  rebuilds the buffer from ``updates.pending_params`` and that base).
+  rebuilds the buffer from ``updates.pending_params`` and that base);
+* the last ``keep_last`` versions (``server.average_last``: the server evaluates their mean, and
+  a resumed server reloads them).
 
 :meth:`Retention.release` names the versions whose parameters nothing needs any more; the loop
 passes them to the store call that makes them unneeded, so they are dropped in the same
 transaction. Nothing here is O(versions) or O(clients): the set held is at most the live tasks,
-the buffer and the latest version. Pure: no database, no Flower.
+the buffer and the last ``keep_last`` versions. Pure: no database, no Flower.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from typing import Any, Iterable
 
 
 class Retention:
-    def __init__(self, checkpoint_every: int, save: bool = True, held: Iterable[int] = ()) -> None:
+    def __init__(self, checkpoint_every: int, save: bool = True, held: Iterable[int] = (), keep_last: int = 1) -> None:
         self.every = int(checkpoint_every)
         self.save = save
+        self.keep_last = max(1, int(keep_last))
         self.held = {v for v in held if not self.is_checkpoint(v)}  # versions with params, not checkpoints
         self.pending_base: dict[int, int] = {}  # buffered task id -> its base version
 
@@ -41,14 +44,14 @@ class Retention:
 
     def release(self, current: int, live_bases: Iterable[int], pending: Iterable[int]) -> list[int]:
         """Versions whose parameters nothing needs now (and forget them): ``current`` is the latest
-        version, ``live_bases`` the base versions of the live tasks, ``pending`` the task ids
-        still buffered."""
+        version (kept with the ``keep_last - 1`` before it), ``live_bases`` the base versions of the
+        live tasks, ``pending`` the task ids still buffered."""
         if not self.save:
             return []
         pending = set(pending)
         if any(t not in pending for t in self.pending_base):
             self.pending_base = {t: v for t, v in self.pending_base.items() if t in pending}
-        refs = {current, *live_bases, *self.pending_base.values()}
+        refs = {*range(current - self.keep_last + 1, current + 1), *live_bases, *self.pending_base.values()}
         drop = sorted(v for v in self.held if v not in refs)
         self.held.difference_update(drop)
         return drop
