@@ -130,7 +130,7 @@ def run_one(cfg, workdir: Path) -> tuple[dict, float | None]:
     from fedasync.task.train import evaluate
 
     workdir.mkdir(parents=True, exist_ok=True)
-    store = Store(default_sqlite_url(workdir))
+    store = Store(cfg.store.url or default_sqlite_url(workdir))  # --set store.url=... keeps the run's store
     t0 = time.perf_counter()
     try:
         server = AsyncServer(cfg, LocalTransport(), store, clock="virtual")
@@ -139,7 +139,7 @@ def run_one(cfg, workdir: Path) -> tuple[dict, float | None]:
             if server.privacy is not None and getattr(server.privacy, "plans", None) else []
         raw = load_files(cfg.data)  # all 10,000 test images for the final model
         model = build_model(cfg.model, raw.x_train.shape[1:], int(raw.y_train.max()) + 1)
-        set_params(model, server.params)
+        set_params(model, server.eval_params())  # what the server evaluates (server.average_last)
         full_acc = float(evaluate(model, raw.x_test, raw.y_test)[1]) if raw.x_test is not None else None
     finally:
         store.close()
