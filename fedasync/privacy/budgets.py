@@ -302,7 +302,7 @@ def plan_clients(cfg: Config, sizes: Sequence[int]) -> list[ClientPlan]:
     if len(todo) > 1:  # each is a search over sigma in Opacus (about 1-2 s); cached for the process
         log.info("privacy: calibrating the noise multiplier for %d distinct (epsilon, delta, sample rate, steps)",
                  len(todo))
-    return [plan_client(c, int(n), steps_for(cfg.train, int(n)), cfg.train.batch_size, b, cfg.privacy.local_dp)
+    return [plan_client(c, int(n), steps_for(cfg.train, int(n)), cfg.train.batch_size, b, dp)
             for c, (n, b) in enumerate(zip(sizes, budgets))]
 
 
