@@ -127,6 +127,16 @@ def crash_at(obj, name: str, n: int, before: bool) -> None:
     setattr(obj, name, wrapper)
 
 
+def crashed_run(cfg, db: Path, point: tuple[str, int, bool]) -> tuple[Store, int]:
+    """Run ``cfg`` on a store at ``db`` until it crashes at ``point``; the store reopened, the run id."""
+    store = store_at(db)
+    crash_at(store, *point)
+    server = AsyncServer(cfg, LocalTransport(), store)
+    with pytest.raises(Crash):
+        server.run()
+    return store_at(db), server.run_id
+
+
 POINTS = [("send", 3, True), ("record_dispatches", 4, False), ("record_reply", 5, True),
           ("record_reply", 9, False), ("record_eval", 2, True), ("record_reply", 14, False)]
 CASES = [("fedbuff", p) for p in POINTS] + [("fedasync", POINTS[2]), ("fedasync", ("record_reply", 6, False)),
@@ -253,14 +263,7 @@ def test_retention_keeps_only_what_is_needed_and_resume_is_unchanged(tmp_path, t
     retention ends exactly as the run that keeps every version (checkpoint_every: 1)."""
     ref = reference(make_cfg(strategy, store={"checkpoint_every": 1}), tmp_path_factory)
     cfg = make_cfg(strategy, store={"checkpoint_every": every})
-    db = tmp_path / "s.db"
-    store = store_at(db)
-    crash_at(store, point[0], point[1], point[2])
-    server = AsyncServer(cfg, LocalTransport(), store)
-    with pytest.raises(Crash):
-        server.run()
-    store = store_at(db)
-    run_id = server.run_id
+    store, run_id = crashed_run(cfg, tmp_path / "s.db", point)
     kept = _kept(store, run_id)
     assert kept >= _needed(store, run_id, every)
     assert len(kept - _needed(store, run_id, every)) <= 1  # at most the one a commit in flight would drop
@@ -293,14 +296,7 @@ def test_average_last_evaluates_the_mean_of_the_last_versions_and_resumes(tmp_pa
         assert evaluate(srv.eval_model, srv.x_test, srv.y_test) == (h["loss"], h["accuracy"])
 
     cfg = make_cfg("fedbuff", server={"average_last": 3}, store={"checkpoint_every": 0})
-    db = tmp_path / "s.db"
-    store = store_at(db)
-    crash_at(store, "record_reply", 9, False)
-    server = AsyncServer(cfg, LocalTransport(), store)
-    with pytest.raises(Crash):
-        server.run()
-    store = store_at(db)
-    run_id = server.run_id
+    store, run_id = crashed_run(cfg, tmp_path / "s.db", ("record_reply", 9, False))
     cur = store.get_run(run_id).current_version
     assert cur == 2 and _kept(store, run_id) >= _needed(store, run_id, 0) | {0, 1, 2}
     summary = AsyncServer(cfg, LocalTransport(), store, resume_run_id=run_id).run()
