@@ -141,7 +141,7 @@ def run_one(cfg, workdir: Path) -> tuple[dict, float | None]:
             if server.privacy is not None and getattr(server.privacy, "plans", None) else []
         raw = load_files(cfg.data)  # all 10,000 test images for the final model
         model = build_model(cfg.model, raw.x_train.shape[1:], int(raw.y_train.max()) + 1)
-        set_params(model, server.eval_params())  # what the server evaluates (server.average_last)
+        set_params(model, server.tail.mean())  # what the server evaluates (server.average_last)
         full_acc = float(evaluate(model, raw.x_test, raw.y_test)[1]) if raw.x_test is not None else None
     finally:
         store.close()

@@ -1,11 +1,9 @@
 """The asynchronous server loop: dispatch, take replies, validate, aggregate, record, evaluate.
 
-The loop talks to clients through a :class:`~fedasync.server.transport.Transport` (Flower's
-Grid in ``server/app.py``; ``LocalTransport`` runs the same client code in-process, for tests
-and quick looks) and to the database through :class:`fedasync.store.Store`. It imports no
-Flower. Around it: ``transport.py`` (tasks, replies), ``resume.py`` (crash safety, resume),
-``records.py`` (the rows a reply leaves), ``control.py`` (signals, stop requests),
-``summary.py`` (the run's summary).
+It talks to clients through a :class:`~fedasync.server.transport.Transport` (Flower's Grid in
+``server/app.py``; ``LocalTransport`` runs the client code in-process) and to the database
+through :class:`fedasync.store.Store`; it imports no Flower. Around it: ``transport.py``,
+``resume.py`` (crash safety), ``records.py`` (a reply's rows), ``control.py``, ``summary.py``.
 
 Semantics (see docs in README "How the asynchronous loop works"):
 
@@ -27,16 +25,14 @@ Semantics (see docs in README "How the asynchronous loop works"):
   ``late``; ``accept``: taken, with its staleness). A reply that matches no open task is
   rejected as ``replay`` and recorded in the ``replays`` table.
 * **Crash safety** (``resume.py``): every batch of dispatches is committed with the loop state
-  (scheduler stream, clock) and every reply with the version it produced
-  (``Store.record_reply``). On resume the tasks that were in flight (or cancelled by a stop)
-  are sent again: under the virtual clock exactly as they were (same task id, client, base
-  version, seed and virtual times), so a resumed simulation ends with the same model as one
-  never interrupted; under the wall clock their clients get the first new tasks.
-  SIGINT/SIGTERM stop after the reply being handled and mark the run ``stopped`` (a second
-  signal stops at once); in deployment a run whose store status is set to ``stopping``
-  (``fedasync server``'s Ctrl-C) stops the same way.
+  and every reply with the version it produced (``Store.record_reply``). On resume the tasks in
+  flight (or cancelled by a stop) are sent again, under the virtual clock exactly as they were
+  (a resumed simulation ends with the model of one never interrupted), under the wall clock
+  to the first new tasks' clients. SIGINT/SIGTERM stop after the reply being handled (a second
+  at once); in deployment, so does a store status of ``stopping`` (``fedasync server``'s Ctrl-C).
 * Each taken reply is validated, handed to the strategy and recorded in one transaction with
-  the model version it produced. Evaluation runs every ``eval_every`` versions and at the end.
+  the model version it produced. Evaluation runs every ``eval_every`` versions and at the end,
+  of the latest version or the mean of the last ``server.average_last`` (``params.Tail``).
 """
 
 from __future__ import annotations
@@ -44,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import deque
 from typing import Any, Callable
 
 import numpy as np
@@ -55,7 +50,7 @@ from fedasync.server.clock import VirtualClock, WallClock, make_profiles, task_d
 from fedasync.server.control import ROUND_CLOSED, StopControl, cancel_dropped, no_task_reason
 from fedasync.server.records import Digests, as_int, replay_row, update_row
 from fedasync.server.idle import IdleClients
-from fedasync.server.params import params_mean
+from fedasync.server.params import Tail
 from fedasync.server.policy import Policies
 from fedasync.server.retention import Retention
 from fedasync.server.strategies import Update, make_strategy, params_sha256
@@ -147,7 +142,7 @@ class AsyncServer:
             store.add_initial_version(self.run_id, self.params, params_sha256(self.params))
             self.retention = Retention(cfg.store.checkpoint_every, cfg.store.save_parameters, held=[0],
                                        keep_last=cfg.server.average_last)
-            self.tail: deque[Params] = deque([self.params], maxlen=cfg.server.average_last)
+            self.tail = Tail(cfg.server.average_last, [self.params])
         else:
             resume.restore(self, resume_run_id)
         self.model_bytes = int(sum(a.nbytes for a in self.params.values()))
@@ -498,7 +493,7 @@ class AsyncServer:
         from fedasync.task.models import set_params
         from fedasync.task.train import evaluate
 
-        set_params(self.eval_model, self.eval_params())
+        set_params(self.eval_model, self.tail.mean())
         loss, acc = evaluate(self.eval_model, self.x_test, self.y_test)
         if self.history and self.history[-1]["version"] == self.version:
             return
@@ -508,11 +503,6 @@ class AsyncServer:
         target = self.cfg.server.target_accuracy
         if target is not None and self.time_to_target is None and acc >= target:
             self.time_to_target = self.clock.now
-
-    def eval_params(self) -> Params:
-        """The model the server evaluates and reports: the latest version, or the mean of the last
-        ``server.average_last`` (fewer while the run has fewer versions)."""
-        return self.params if len(self.tail) == 1 else params_mean(list(self.tail))
 
     def _emit(self) -> None:
         self.progress(progress_event(self))

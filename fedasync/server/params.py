@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import deque
+from typing import Iterable
 
 import numpy as np
 
@@ -54,6 +56,20 @@ def params_mean(ps: list[Params]) -> Params:
     for p in ps[1:]:
         _check_like(ps[0], p)
     return _cast_like({k: sum(np.asarray(p[k], np.float64) for p in ps) / len(ps) for k in ps[0]}, ps[0])
+
+
+class Tail:
+    """The last ``n`` versions' parameters and the model made of them (``server.average_last``)."""
+
+    def __init__(self, n: int, versions: Iterable[Params] = ()) -> None:
+        self.versions: deque[Params] = deque(versions, maxlen=n)
+
+    def append(self, p: Params) -> None:
+        self.versions.append(p)
+
+    def mean(self) -> Params:
+        """The latest itself when ``n`` is 1, else the mean of those held (fewer at the start)."""
+        return self.versions[-1] if len(self.versions) == 1 else params_mean(list(self.versions))
 
 
 def params_norm(p: Params) -> float:

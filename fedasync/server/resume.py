@@ -12,12 +12,12 @@ first new tasks. :func:`check_resume_config` says whether a config may continue 
 from __future__ import annotations
 
 import logging
-from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from fedasync.config import Config
 from fedasync.server.clock import WallClock
 from fedasync.server.control import ROUND_CLOSED
+from fedasync.server.params import Tail
 from fedasync.server.retention import Retention
 from fedasync.server.strategies import Update
 from fedasync.server.transport import Live, TaskMsg
@@ -85,8 +85,7 @@ def restore(srv: AsyncServer, run_id: int) -> None:
                               held=store.versions_with_parameters(run_id), keep_last=srv.cfg.server.average_last)
     # server.average_last: the versions whose mean the server evaluates (retention kept them)
     n = srv.cfg.server.average_last
-    srv.tail = deque([store.load_version(run_id, v)[1] for v in range(max(0, srv.version - n + 1), srv.version)],
-                     maxlen=n)
+    srv.tail = Tail(n, [store.load_version(run_id, v)[1] for v in range(max(0, srv.version - n + 1), srv.version)])
     srv.tail.append(srv.params)
     # re-add the accepted updates that were still buffered (none produced a version yet)
     for u, params in store.pending_updates(run_id):
