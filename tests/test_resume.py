@@ -169,17 +169,12 @@ def test_crash_twice_then_resume(tmp_path, tmp_path_factory):
     cfg = make_cfg("fedbuff")
     ref = reference(cfg, tmp_path_factory)
     db = tmp_path / "s.db"
-    store = store_at(db)
-    crash_at(store, "record_reply", 4, False)
-    server = AsyncServer(cfg, LocalTransport(), store)
-    with pytest.raises(Crash):
-        server.run()
-    store = store_at(db)
+    store, run_id = crashed_run(cfg, db, ("record_reply", 4, False))
     crash_at(store, "record_reply", 6, True)
     with pytest.raises(Crash):
-        AsyncServer(cfg, LocalTransport(), store, resume_run_id=server.run_id).run()
+        AsyncServer(cfg, LocalTransport(), store, resume_run_id=run_id).run()
     store = store_at(db)
-    summary = AsyncServer(cfg, LocalTransport(), store, resume_run_id=server.run_id).run()
+    summary = AsyncServer(cfg, LocalTransport(), store, resume_run_id=run_id).run()
     check_invariants(store, summary)
     assert_same_run(summary, ref)
 
@@ -323,16 +318,9 @@ def test_crash_with_parameters_in_files_then_resume(tmp_path, tmp_path_factory, 
     ref = reference(make_cfg(strategy, store={"checkpoint_every": 1}), tmp_path_factory)
     monkeypatch.setattr("fedasync.store.store.EXTERNAL_MIN_BYTES", 0)
     cfg = make_cfg(strategy, store={"checkpoint_every": 0})
-    db = tmp_path / "s.db"
-    store = store_at(db)
-    crash_at(store, *point)
-    server = AsyncServer(cfg, LocalTransport(), store)
-    with pytest.raises(Crash):
-        server.run()
-    run_id = server.run_id
+    store, run_id = crashed_run(cfg, tmp_path / "s.db", point)
     files = tmp_path / "s.db-params"
     (files / f"r{run_id}-u999").write_bytes(b"left by a crash")
-    store = store_at(db)
     summary = AsyncServer(cfg, LocalTransport(), store, resume_run_id=run_id).run()
     check_invariants(store, summary)
     assert_same_run(summary, ref)
