@@ -13,7 +13,7 @@ from fedasync.config import ServerConfig, config_from_dict
 from fedasync.server.loop import AsyncServer
 from fedasync.server.transport import LocalTransport, Reply, TaskMsg
 from fedasync.server.strategies import params_sha256
-from fedasync.server.validation import REASONS, UpdateValidator
+from fedasync.server.validation import REASONS, UpdateValidator, all_finite
 from fedasync.signing import (
     SigningKeyError,
     generate_key,
@@ -177,6 +177,27 @@ class CraftedTransport:
         out += self.extra
         self.extra = []
         return out
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_all_finite_agrees_with_the_element_check(dtype):
+    """The dot-product fast path never passes a NaN or an infinity, anywhere in the array, and
+    never rejects finite values whose squares overflow (it falls back to the element check)."""
+    big = np.finfo(dtype).max
+    rng = np.random.default_rng(0)
+    arrays = [np.zeros((0,), dtype), rng.standard_normal((3, 50)).astype(dtype),
+              np.full(7, big, dtype), np.array([big, -big, 1.0], dtype)]
+    for bad in (np.nan, np.inf, -np.inf):
+        for at in (0, 77, 149):
+            a = rng.standard_normal(150).astype(dtype)
+            a[at] = bad
+            arrays.append(a.reshape(3, 50))
+        arrays.append(np.array([big, bad], dtype))
+    for a in arrays:
+        assert all_finite(a) == bool(np.all(np.isfinite(a))), a
+    assert all_finite(np.arange(5)) and all_finite(np.array([1 + 2j]))
+    assert not all_finite(np.array([1 + np.nan * 1j]))
+    assert not all_finite(np.full((4, 4), np.nan, dtype)[:, ::2])  # not contiguous
 
 
 def test_bad_update_battery(tmp_path):

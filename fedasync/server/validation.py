@@ -47,6 +47,20 @@ REASONS = (
 )
 
 
+def all_finite(a: np.ndarray) -> bool:
+    """Whether every element of ``a`` is finite.  For floats, one dot product first: a NaN or an
+    infinity makes the sum of squares non-finite, and it needs no temporary (``np.isfinite(a)``
+    allocates a boolean array as large as the model, per update); only when that sum is not
+    finite (a NaN, an infinity, or finite values whose squares overflow) are the elements checked."""
+    if a.dtype.kind != "f":
+        return bool(np.all(np.isfinite(a))) if a.dtype.kind == "c" else True
+    flat = a.reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(np.dot(flat, flat)):
+            return True
+    return bool(np.all(np.isfinite(a)))
+
+
 class UpdateValidator:
     """Validates replies against the global model's structure and, when ``public_keys`` is
     given, against each client's registered Ed25519 key (``{client_id: public key}``; a key is an
@@ -85,7 +99,7 @@ class UpdateValidator:
                 return "bad_shape"
             if a.dtype != dtype:
                 return "bad_dtype"
-            if not np.all(np.isfinite(a)):
+            if not all_finite(a):
                 return "non_finite"
         if self.cfg.max_update_norm is not None and base is not None:
             sq = sum(float(np.sum((params[k].astype(np.float64) - base[k].astype(np.float64)) ** 2))
