@@ -232,6 +232,23 @@ def test_budget_aware_never_sends_a_task_over_budget(tmp_path):
     assert ba["updates_received"] > 0
 
 
+def test_budget_aware_run_ends_with_every_client_out_of_budget(tmp_path, caplog):
+    """Run until no budget is left: budget_aware never sends a task over budget, so no client ever
+    refuses one; at the stop, the clients it would no longer pick are marked exhausted (in the
+    loop and in the store, reason next_task_over_budget), and the message says so."""
+    common = [*DP, "privacy.local_dp.epsilon=2.2", "server.max_versions=null", "server.max_virtual_time=null",
+              "data.num_clients=6", "server.concurrency=2", "server.buffer_size=2", "data.min_partition_size=20"]
+    with caplog.at_level("WARNING", logger="fedasync"):
+        s, store, srv = run(small_config(*common, "server.scheduler.name=budget_aware"), tmp_path, "ba")
+    assert s["stop_reason"] == "no_client_can_train"
+    assert not any(d.status == "refused" for d in store.dispatches(s["run_id"]))
+    assert srv.exhausted == set(range(6))
+    rows = store.clients(s["run_id"])
+    assert len(rows) == 6 and all(r.exhausted and r.exhausted_reason == "next_task_over_budget" for r in rows)
+    assert "all 6 clients have exhausted their privacy budget" in caplog.text
+    assert s["privacy"]["epsilon_max"] <= 2.2
+
+
 def test_deployment_refuses_an_attack(tmp_path):
     cfg = small_config(*ATTACK)
     with pytest.raises(ConfigError, match="^attack: simulation only"):

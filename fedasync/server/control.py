@@ -71,11 +71,19 @@ class StopControl:
                 signal.signal(sig, h)
 
 
-def no_task_reason(num_clients: int, exhausted: int, deployment: bool) -> str:
-    """Why no task is live and none could be dispatched (``exhausted``: clients out of privacy
-    budget; ``deployment``: clients come and go with their nodes). Logged."""
-    n, k = num_clients, exhausted
-    if deployment and k < n:
+def no_task_reason(srv: "AsyncServer") -> str:
+    """Why no task is live and none could be dispatched; logged. First, every client the
+    scheduler will not pick because its next task would exceed its privacy budget
+    (``budget_aware``, which never sends such a task, so the client never refuses one) is marked
+    exhausted like a client that refused (reason ``next_task_over_budget``): the stop message and
+    ``fedasync privacy report`` then count it as out of budget, not as unavailable."""
+    n = srv.cfg.data.num_clients
+    rest = [c for c in range(n) if c not in srv.exhausted]
+    for c in sorted(set(rest) - set(srv.policy.eligible(rest))):
+        srv.exhausted.add(c)
+        srv.store.mark_exhausted(srv.run_id, c, NEXT_TASK_OVER_BUDGET)
+    k = len(srv.exhausted)
+    if srv.available_clients is not None and k < n:  # deployment: clients come and go with their nodes
         log.warning("stopping (no_client_available): no client could be given a task within "
                     "deploy.node_discovery_timeout (%d of %d exhausted their privacy budget)", k, n)
         return "no_client_available"
@@ -86,6 +94,10 @@ def no_task_reason(num_clients: int, exhausted: int, deployment: bool) -> str:
         log.warning("stopping (no_client_can_train): no client could be given a task "
                     "(%d of %d exhausted their privacy budget, the others are unavailable)", k, n)
     return "no_client_can_train"
+
+
+#: why a client the ``budget_aware`` scheduler would never pick again is marked exhausted
+NEXT_TASK_OVER_BUDGET = "next_task_over_budget"
 
 
 #: the error a dispatch cancelled by its round's close is recorded with (status ``cancelled``)

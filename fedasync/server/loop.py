@@ -188,8 +188,7 @@ class AsyncServer:
                     if not self.live:
                         if self._wait_for_clients():
                             continue
-                        self.stop_reason = no_task_reason(self.cfg.data.num_clients, len(self.exhausted),
-                                                          self.available_clients is not None)
+                        self.stop_reason = no_task_reason(self)
                         break
                     self._no_client_since = None
                     if self.virtual:
