@@ -255,6 +255,38 @@ def test_config_level_errors():
         load_config(None, ["data.shape=[0, 3]"])
 
 
+def test_normalize_maps_every_feature_for_clients_test_set_and_devices(files, tmp_path):
+    """data.normalize: [mean, std]: each client's and the server's test features become
+    (x - mean) / std of what is loaded without it; labels, partitions and order unchanged; a
+    device's own .npz is normalized the same way from the setup it is sent."""
+    from fedasync.clients.runner import local_data
+    from fedasync.server.transport import client_setup_json
+
+    plain = load_federated(_cfg(files["npz"]), 0)
+    cfg = _cfg(files["npz"], normalize=[0.25, 0.5])
+    fd = load_federated(cfg, 0)
+    assert len(fd.partitions) == len(plain.partitions)
+    for (x, y), (x0, y0) in zip([*fd.partitions, (fd.x_test, fd.y_test)], [*plain.partitions, (plain.x_test, plain.y_test)]):
+        np.testing.assert_array_equal(y, y0)
+        assert x.dtype == np.float32 and not x.flags.writeable
+        np.testing.assert_allclose(x, (x0 - 0.25) / 0.5, rtol=0, atol=1e-6)
+    xs = np.concatenate([p[0] for p in fd.partitions])
+    assert xs.min() == pytest.approx(-0.5) and xs.max() == pytest.approx((250 / 255 - 0.25) / 0.5)  # pixels 0-250
+    small = ["data.dataset=files", f"data.path={files['npz']}", "data.num_clients=6", "data.partitioner=iid",
+             "server.concurrency=2", "server.buffer_size=2"]
+    full = load_config(None, [*small, "data.normalize=[0.25,0.5]"])
+    setup = client_setup_json(full, load_federated(full.data, full.seed))
+    raw = (np.arange(12, dtype=np.float32) / 11).reshape(3, 4)
+    np.savez(tmp_path / "mine.npz", x=raw, y=np.array([0, 1, 2]))
+    x, y = local_data(setup, 0, str(tmp_path / "mine.npz"))
+    np.testing.assert_allclose(x, (raw - 0.25) / 0.5, rtol=0, atol=1e-6)
+    x, _ = local_data(client_setup_json(load_config(None, small), plain), 0, str(tmp_path / "mine.npz"))
+    np.testing.assert_array_equal(x, raw)  # without data.normalize: the file as it is
+    for bad, key in (("[0.1, 0]", "data.normalize.1"), ("[0.1]", "data.normalize.1"), ("[.nan, 1]", "data.normalize.0")):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_config(None, [f"data.normalize={bad}"])
+
+
 def test_hub_message_points_local_paths_to_files(monkeypatch):
     import datasets
 

@@ -68,10 +68,12 @@ def _setup(setup_json: str):
 
 
 @functools.lru_cache(maxsize=4)
-def _npz(path: str, mtime_ns: int, size: int):
+def _npz(path: str, mtime_ns: int, size: int, normalize: tuple[float, float] | None = None):
     from fedasync.task.data import load_npz
+    from fedasync.task.data import normalize as norm
 
-    return load_npz(path)
+    x, y = load_npz(path)
+    return norm(x, normalize), y  # data.normalize, as the server's test set and simulated clients have it
 
 
 def local_data(setup_json: str, client_id: int, data_path: str | None = None):
@@ -81,7 +83,8 @@ def local_data(setup_json: str, client_id: int, data_path: str | None = None):
         import os
 
         st = os.stat(data_path)
-        return _npz(str(data_path), st.st_mtime_ns, st.st_size)
+        norm = json.loads(setup_json).get("data", {}).get("normalize")
+        return _npz(str(data_path), st.st_mtime_ns, st.st_size, None if norm is None else tuple(norm))
     return _federation(setup_json).partitions[client_id]
 
 

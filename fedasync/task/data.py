@@ -15,6 +15,8 @@ flwr-datasets partitioner (``IidPartitioner``, ``DirichletPartitioner``, ``Shard
 ``NaturalIdPartitioner``) run on an in-memory ``datasets.Dataset``.  Everything is a pure function
 of ``(cfg, seed)``: the same inputs give identical arrays in any process.  Results are cached per
 process; the cached arrays are read-only (copy them before changing them in place).
+``cfg.normalize: [mean, std]`` maps every feature to ``(x - mean) / std`` after loading (for
+clients and the server's test set alike; a device's own file too, see :func:`normalize`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import functools
 import logging
 import random
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -297,9 +299,26 @@ def _load_hub(cfg: DataConfig, seed: int) -> FederatedData:
     )
 
 
+def normalize(x: np.ndarray, mean_std: tuple[float, float] | None) -> np.ndarray:
+    """``(x - mean) / std`` in float32 for ``data.normalize: [mean, std]`` (torchvision's
+    ``Normalize`` with one value for every feature); ``x`` itself when it is not set."""
+    if mean_std is None:
+        return x
+    mean, std = mean_std
+    return ((np.asarray(x, np.float32) - np.float32(mean)) / np.float32(std)).astype(np.float32, copy=False)
+
+
 @functools.lru_cache(maxsize=8)
 def _load_cached(cfg_json: str, seed: int) -> FederatedData:
     cfg = DataConfig.model_validate_json(cfg_json)
+    fd = _load_source(cfg, seed)
+    if cfg.normalize is None:
+        return fd
+    return replace(fd, partitions=[(_readonly(normalize(x, cfg.normalize)), y) for x, y in fd.partitions],
+                   x_test=_readonly(normalize(fd.x_test, cfg.normalize)))
+
+
+def _load_source(cfg: DataConfig, seed: int) -> FederatedData:
     if cfg.dataset == "hub":
         return _load_hub(cfg, seed)
     if cfg.dataset == "digits":
