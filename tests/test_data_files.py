@@ -448,3 +448,34 @@ def test_mnist_benchmark_runs_and_sweep_variants_are_valid_configs():
     assert small.model_dump(exclude={"model"}) == tuned.model_dump(exclude={"model"})
     dp = load_config(yaml, bench.RUNS["fedbuff_dp8_dpcnn"])
     assert (dp.model.name, dp.privacy.local_dp.enabled, dp.privacy.local_dp.epsilon) == ("dp_cnn", True, 8)
+
+
+@pytest.mark.parametrize("norm", [None, [0.5, 0.25]])
+def test_mnist_benchmark_full_test_figure_is_the_servers_own_evaluation(files, tmp_path, monkeypatch, norm):
+    """benchmarks/mnist.py's run_one reports the final model's accuracy on every test image, which
+    it loads again from the file: with data.normalize it must see them as the server does
+    ((x - mean) / std), and with the whole test set evaluated by the server the figures agree."""
+    import importlib.util
+
+    import fedasync.task.train as train
+
+    spec = importlib.util.spec_from_file_location("bench_mnist2", Path(__file__).parents[1] / "benchmarks" / "mnist.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    seen = []
+    real = train.evaluate
+    monkeypatch.setattr(train, "evaluate", lambda model, x, y, *a, **k: (seen.append(np.array(x)), real(model, x, y, *a, **k))[1])
+    sets = ["data.dataset=files", f"data.path={files['npz']}", "data.num_clients=6", "data.partitioner=iid",
+            "server.concurrency=2", "server.buffer_size=2", "server.max_versions=6", "server.eval_every=1",
+            "server.max_virtual_time=null", "model.name=mlp", "train.local_steps=3", "train.lr=0.5"]
+    if norm is not None:
+        sets.append(f"data.normalize={json.dumps(norm)}")
+    summary, full = bench.run_one(load_config(None, sets), tmp_path / "w")
+    last = summary["history"][-1]
+    assert last["version"] == summary["versions"] == 6 and last["accuracy"] is not None
+    assert full == pytest.approx(last["accuracy"], abs=1e-9)
+    from fedasync.task.files import load_files
+
+    xt = load_files(load_config(None, sets).data).x_test  # as stored, scaled to [0, 1]
+    want = xt if norm is None else (xt - norm[0]) / norm[1]
+    np.testing.assert_allclose(seen[-1].reshape(want.shape), want, rtol=1e-6, atol=1e-6)
