@@ -479,3 +479,33 @@ def test_mnist_benchmark_full_test_figure_is_the_servers_own_evaluation(files, t
     xt = load_files(load_config(None, sets).data).x_test  # as stored, scaled to [0, 1]
     want = xt if norm is None else (xt - norm[0]) / norm[1]
     np.testing.assert_allclose(seen[-1].reshape(want.shape), want, rtol=1e-6, atol=1e-6)
+
+
+def test_tail_average_benchmark_measures_what_average_last_would_report(files, tmp_path):
+    """benchmarks/tail_average.py evaluates the mean of a finished run's last N versions from its
+    store: with N = the run's own server.average_last it is the figure the server reported (the
+    whole test set evaluated), and the other N read the versions the run kept."""
+    import importlib.util
+
+    root = Path(__file__).parents[1] / "benchmarks"
+    mods = {}
+    for name in ("mnist", "tail_average"):
+        spec = importlib.util.spec_from_file_location(f"bench_{name}_t", root / f"{name}.py")
+        mods[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mods[name])
+    url = f"sqlite:///{tmp_path / 'run.db'}"
+    sets = ["data.dataset=files", f"data.path={files['npz']}", "data.num_clients=6", "data.partitioner=iid",
+            "data.normalize=[0.4,0.3]", "server.concurrency=2", "server.buffer_size=2", "server.max_versions=8",
+            "server.eval_every=1", "server.average_last=3", "server.max_virtual_time=null", "model.name=mlp",
+            "train.local_steps=1", "train.lr=0.05", "store.save_parameters=true", "store.checkpoint_every=1",
+            f"store.url={url}"]
+    summary, full = mods["mnist"].run_one(load_config(None, sets), tmp_path / "w")
+    out = mods["tail_average"].tail_accuracies(url, 1, [1, 3, 8])
+    assert out["last_version"] == summary["versions"] == 8
+    by = {r["last"]: r for r in out["rows"]}
+    assert by[3]["versions"] == [6, 8] and by[8]["versions"] == [1, 8]
+    assert by[1]["accuracy_full_test"] != by[3]["accuracy_full_test"]  # the mean is not the last version
+    assert by[3]["accuracy_full_test"] == pytest.approx(full, abs=1e-4)
+    assert by[3]["accuracy_full_test"] == pytest.approx(summary["history"][-1]["accuracy"], abs=1e-4)
+    with pytest.raises(SystemExit, match="kept no parameters"):
+        mods["tail_average"].tail_accuracies(url, 1, [10])
