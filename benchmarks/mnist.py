@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             s, full_acc = run_one(cfg, Path(tmp) / label)
             p = s.get("privacy") or {}
             row = {
-                "run": label, "overrides": extra,
+                "run": label, "model": cfg.model.name, "overrides": extra,
                 "time_to_97_s": time_to(s["history"], 0.97),
                 **{f"time_to_{int(t * 100)}_s": time_to(s["history"], t) for t in THRESHOLDS[:-1]},
                 "final_accuracy": s["final_accuracy"], "best_accuracy": s["best_accuracy"],
@@ -267,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                     r[f"speedup_{int(t * 100)}_vs_fedavg"] = (base[k] / r[k]) if base and base[k] and r[k] else None
             report["wall_s"] = round(time.perf_counter() - t_all, 1)
             out.write_text(json.dumps(report, indent=1))
-            plot(report["rows"], out.with_suffix(".png"), "MNIST, 100 clients, Dirichlet 0.3, fedavg_cnn")
+            plot(report["rows"], out.with_suffix(".png"), "MNIST, 100 clients, Dirichlet 0.3, "
+                 + ", ".join(dict.fromkeys(r.get("model", "fedavg_cnn") for r in report["rows"])))
             print(f"[mnist] {label}: final {row['final_accuracy']} (full test {full_acc}), "
                   f"t97 {row['time_to_97_s']}, t90 {row['time_to_90_s']}, {row['updates']} updates, "
                   f"wall {row['wall_s']} s", flush=True)
