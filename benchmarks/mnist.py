@@ -128,13 +128,25 @@ def time_to(history: list[dict], threshold: float) -> float | None:
     return None
 
 
+def full_test_set(cfg):
+    """``(model, x_test, y_test)``: a model of ``cfg``'s kind for the data, and every test example
+    of ``data.path`` (not ``data.test_samples``) as the server sees them (``data.normalize``);
+    ``x_test`` is None when the file has no test split."""
+    from fedasync.task.data import normalize
+    from fedasync.task.files import load_files
+    from fedasync.task.models import build_model
+
+    raw = load_files(cfg.data)
+    model = build_model(cfg.model, raw.x_train.shape[1:], int(raw.y_train.max()) + 1)
+    x_test = None if raw.x_test is None else normalize(raw.x_test, cfg.data.normalize)
+    return model, x_test, raw.y_test
+
+
 def run_one(cfg, workdir: Path) -> tuple[dict, float | None]:
     from fedasync.server.loop import AsyncServer
     from fedasync.server.transport import LocalTransport
     from fedasync.store import Store, default_sqlite_url
-    from fedasync.task.data import normalize
-    from fedasync.task.files import load_files
-    from fedasync.task.models import build_model, set_params
+    from fedasync.task.models import set_params
     from fedasync.task.train import evaluate
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -145,11 +157,9 @@ def run_one(cfg, workdir: Path) -> tuple[dict, float | None]:
         summary = server.run()
         sigmas = sorted({round(p.noise_multiplier, 4) for p in server.privacy.plans}) \
             if server.privacy is not None and getattr(server.privacy, "plans", None) else []
-        raw = load_files(cfg.data)  # all 10,000 test images for the final model, as the server sees them
-        model = build_model(cfg.model, raw.x_train.shape[1:], int(raw.y_train.max()) + 1)
+        model, x_test, y_test = full_test_set(cfg)  # all 10,000 test images for the final model
         set_params(model, server.tail.mean())  # what the server evaluates (server.average_last)
-        full_acc = float(evaluate(model, normalize(raw.x_test, cfg.data.normalize), raw.y_test)[1]) \
-            if raw.x_test is not None else None
+        full_acc = float(evaluate(model, x_test, y_test)[1]) if x_test is not None else None
     finally:
         store.close()
     summary["bench_wall_s"] = time.perf_counter() - t0
@@ -268,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             report["wall_s"] = round(time.perf_counter() - t_all, 1)
             out.write_text(json.dumps(report, indent=1))
             plot(report["rows"], out.with_suffix(".png"), "MNIST, 100 clients, Dirichlet 0.3, "
-                 + ", ".join(dict.fromkeys(r.get("model", "fedavg_cnn") for r in report["rows"])))
+                 + ", ".join(dict.fromkeys(r["model"] for r in report["rows"])))
             print(f"[mnist] {label}: final {row['final_accuracy']} (full test {full_acc}), "
                   f"t97 {row['time_to_97_s']}, t90 {row['time_to_90_s']}, {row['updates']} updates, "
                   f"wall {row['wall_s']} s", flush=True)

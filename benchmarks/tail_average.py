@@ -21,26 +21,25 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 
 def tail_accuracies(url: str, run_id: int, lasts: list[int]) -> dict:
     import yaml
+    from mnist import full_test_set  # the test images as benchmarks/mnist.py's full-test figure sees them
 
     from fedasync.config import config_from_dict
     from fedasync.server.params import params_mean
     from fedasync.store import Store
-    from fedasync.task.data import normalize
-    from fedasync.task.files import load_files
-    from fedasync.task.models import build_model, set_params
+    from fedasync.task.models import set_params
     from fedasync.task.train import evaluate
 
     store = Store(url)
     try:
         cfg = config_from_dict(yaml.safe_load(store.get_run(run_id).config_yaml))
-        raw = load_files(cfg.data)
-        if raw.x_test is None:
+        model, x_test, y_test = full_test_set(cfg)
+        if x_test is None:
             raise SystemExit(f"{cfg.data.path} has no test split to evaluate on")
-        x_test = normalize(raw.x_test, cfg.data.normalize)
-        model = build_model(cfg.model, raw.x_train.shape[1:], int(raw.y_train.max()) + 1)
         held = set(store.versions_with_parameters(run_id))
         last, _ = store.load_version(run_id)
         rows = []
@@ -51,11 +50,11 @@ def tail_accuracies(url: str, run_id: int, lasts: list[int]) -> dict:
                 raise SystemExit(f"run {run_id} kept no parameters for versions {missing[:5]}...: "
                                  "run it with store.save_parameters=true and store.checkpoint_every=1")
             set_params(model, params_mean([store.load_version(run_id, v)[1] for v in want]))
-            acc = float(evaluate(model, x_test, raw.y_test)[1])
+            acc = float(evaluate(model, x_test, y_test)[1])
             rows.append({"last": n, "versions": [want[0], want[-1]], "accuracy_full_test": round(acc, 4)})
             print(f"[tail] run {run_id}: mean of the last {n} versions ({want[0]}-{want[-1]}): "
-                  f"{acc:.4f} on {len(raw.y_test)} test examples", flush=True)
-        return {"store": url, "run_id": run_id, "last_version": last, "test_examples": int(len(raw.y_test)),
+                  f"{acc:.4f} on {len(y_test)} test examples", flush=True)
+        return {"store": url, "run_id": run_id, "last_version": last, "test_examples": int(len(y_test)),
                 "rows": rows}
     finally:
         store.close()
