@@ -18,13 +18,21 @@ replies, each against the bare loop that takes them the same way:
 
     python benchmarks/loop_overhead.py [--model mlp|fedavg_cnn] [--updates 1500] [--concurrency 20]
                                        [--clock wall,virtual] [--repeat 3] [--set KEY=VALUE ...]
-                                       [--out benchmarks/results]
+                                       [--bare-new-model-every N] [--out benchmarks/results]
 
 Each order runs ``--repeat`` bare/fedasync pairs back to back (the machine's load drifts from
 minute to minute on 2 cores); the pair with the median ratio is reported, all pairs are kept.
 
 Results go to ``loop_overhead.json`` under the model's name, with the machine's load average
-before and after (the ratios are what is compared; all loops share the load).
+before and after (the ratios are what is compared; all loops share the load). On Linux each pair
+also records the whole machine's CPU time per update of each loop and how busy the machine was
+(``/proc/stat``: the engine's actors are other processes): when the bare loop already keeps every
+core busy, each millisecond of CPU the fedasync loop adds per update costs throughput, whichever
+thread spends it (``benchmarks/loop_cost.py`` measures the part of it no fedasync loop can skip).
+
+The bare loops send one model record throughout (the baseline). A server's model changes:
+``--bare-new-model-every 10`` makes them build a new one every 10 replies, as often as the
+fedasync loop (FedBuff, K = 10) does, to show what the engine charges for a new model.
 """
 
 from __future__ import annotations
@@ -57,13 +65,30 @@ def _echo(msg: Message, context: Context) -> Message:
     return Message(reply_content({"params": params, "metrics": {"num_examples": 1, "loss": 0.0}}), reply_to=msg)
 
 
-def bare_loop(grid: Grid, nodes: list[int], params, n_updates: int, concurrency: int) -> float:
-    sent = 0
-    rec = params_to_record(params)  # built once, as Flower's strategies share one record per round
+def model_records(params, every: int):
+    """The bare loops' model: ``record(done)`` is its ArrayRecord after ``done`` replies. Built
+    once (``every`` 0, the baseline: Flower's strategies share one record per round), or anew
+    from a changed model every ``every`` replies, as a server whose model changes each K updates
+    must (the fedasync loop sends a new version every ``server.buffer_size`` replies)."""
+    built: dict[int, object] = {}
+
+    def record(done: int):
+        n = done // every if every else 0
+        if n not in built:
+            built.clear()
+            built[n] = params_to_record({k: (v + 1e-6 * n).astype(v.dtype) if n else v for k, v in params.items()})
+        return built[n]
+    return record
+
+
+def bare_loop(grid: Grid, nodes: list[int], params, n_updates: int, concurrency: int, every: int = 0) -> float:
+    sent = done = 0
+    record = model_records(params, every)
 
     def push(k: int) -> list[str]:
         nonlocal sent
         # round-robin over the nodes: a node runs one message at a time
+        rec = record(done)
         msgs = [Message(task_content(rec, {"task_id": sent + i}), dst_node_id=nodes[(sent + i) % len(nodes)],
                         message_type="train") for i in range(k)]
         sent += k
@@ -71,7 +96,6 @@ def bare_loop(grid: Grid, nodes: list[int], params, n_updates: int, concurrency:
 
     t0 = time.perf_counter()
     outstanding = set(push(concurrency))
-    done = 0
     while done < n_updates:
         replies = list(grid.pull_messages(list(outstanding)))
         for r in replies:
@@ -84,13 +108,33 @@ def bare_loop(grid: Grid, nodes: list[int], params, n_updates: int, concurrency:
     return time.perf_counter() - t0
 
 
+def machine_cpu() -> tuple[float, float] | None:
+    """(busy, total) CPU seconds of the whole machine since boot, from ``/proc/stat``; None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    return (sum(fields) - idle) / tick, sum(fields) / tick
+
+
+def cpu_use(before, after, updates: int) -> dict | None:
+    """The machine's CPU ms per update between two :func:`machine_cpu` readings, and how busy it was."""
+    if before is None or after is None or updates <= 0:
+        return None
+    busy, total = after[0] - before[0], after[1] - before[1]
+    return {"cpu_ms_per_update": round(1e3 * busy / updates, 2), "busy": round(busy / total, 3) if total else None}
+
+
 #: per order of taking replies: (bare loop's key, fedasync loop's key) in the results
 KEYS = {"wall": ("bare_flower_updates_per_s", "fedasync_wall_updates_per_s"),
         "virtual": ("bare_flower_virtual_order_updates_per_s", "fedasync_virtual_updates_per_s")}
 
 
 def bare_virtual_loop(grid: Grid, node_of: list[int], params, n_updates: int, concurrency: int, cfg,
-                      examples: list[int]) -> float:
+                      examples: list[int], every: int = 0) -> float:
     """The bare loop in virtual-finish order: each task's virtual duration is drawn as fedasync
     draws it (same clients, round-robin), and only the earliest unfinished one may be taken."""
     from fedasync.server.clock import make_profiles, task_duration
@@ -100,7 +144,7 @@ def bare_virtual_loop(grid: Grid, node_of: list[int], params, n_updates: int, co
     profiles = make_profiles(n_clients, cfg.clock, cfg.seed)
     steps = [steps_for(cfg.train, n) for n in examples]
     nbytes = int(sum(a.nbytes for a in params.values()))
-    rec = params_to_record(params)  # built once, as in bare_loop
+    record = model_records(params, every)
     live: dict[str, float] = {}  # message id -> virtual finish
     arrived: set[str] = set()
     now, sent, done = 0.0, 0, 0
@@ -108,6 +152,7 @@ def bare_virtual_loop(grid: Grid, node_of: list[int], params, n_updates: int, co
     def push(k: int) -> None:
         nonlocal sent
         tids = range(sent, sent + k)
+        rec = record(done)
         msgs = [Message(task_content(rec, {"task_id": t}), dst_node_id=node_of[t % n_clients],
                         message_type="train") for t in tids]
         for t, mid in zip(tids, grid.push_messages(msgs)):
@@ -141,11 +186,16 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3,
                     help="bare/fedasync pairs per order; the pair with the median ratio is reported")
     ap.add_argument("--model", default="mlp", help="model.name (mlp, cnn, fedavg_cnn where registered)")
+    ap.add_argument("--bare-new-model-every", type=int, default=0, metavar="N",
+                    help="the bare loops send a new model record every N replies (default 0: one record "
+                         "throughout, the baseline); results under '<model>_bare_new_model_every_N'")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra config KEY=VALUE")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error("--repeat: at least 1")
+    if args.bare_new_model_every < 0:
+        ap.error("--bare-new-model-every: 0 or more")
     bad = [c for c in args.clock.split(",") if c not in KEYS]
     if bad:
         ap.error(f"--clock: {', '.join(bad)} (known: {', '.join(KEYS)})")
@@ -180,15 +230,19 @@ def main() -> None:
             node_of = [nodes[c % len(nodes)] for c in range(args.clients)]
             result.update({"updates": args.updates, "concurrency": args.concurrency, "clients": args.clients})
             result["repeat"] = args.repeat
+            result["bare_new_model_every"] = args.bare_new_model_every
             for clock in args.clock.split(","):
                 bare, fed_key = KEYS[clock]
-                ratios = []
+                ratios, cpu = [], []
                 for _ in range(args.repeat):  # bare, fedasync, bare, fedasync, ...: the same load drifts
+                    c0 = machine_cpu()
                     if clock == "wall":
-                        t_bare = bare_loop(grid, nodes, params, args.updates, args.concurrency)
+                        t_bare = bare_loop(grid, nodes, params, args.updates, args.concurrency,
+                                           args.bare_new_model_every)
                     else:
                         t_bare = bare_virtual_loop(grid, node_of, params, args.updates, args.concurrency, cfg,
-                                                   [len(p[1]) for p in fed.partitions])
+                                                   [len(p[1]) for p in fed.partitions], args.bare_new_model_every)
+                    c1 = machine_cpu()
                     with tempfile.TemporaryDirectory() as d:
                         store = Store(f"sqlite:///{d}/bench.db")
                         server = AsyncServer(cfg, transport, store, clock=clock,
@@ -197,15 +251,22 @@ def main() -> None:
                         t0 = time.perf_counter()
                         s = server.run()
                         t_fed = time.perf_counter() - t0
+                        c2 = machine_cpu()
                         store.close()
                         # the tasks it left in flight: pulled, so that the next loop starts on the same
                         # engine (a bare loop after an undrained fedasync loop ran ~20 % slower)
                         transport.drain(open_messages(server))
                     ratios.append((args.updates / t_bare, s["updates_received"] / t_fed))
+                    cpu.append({"bare": cpu_use(c0, c1, args.updates),
+                                "fedasync": cpu_use(c1, c2, s["updates_received"])})
                 # the pair with the median ratio; every pair is kept
                 result[f"pairs_{clock}"] = [[round(b, 2), round(f, 2), round(f / b, 3)] for b, f in ratios]
-                b, f = sorted(ratios, key=lambda r: r[1] / r[0])[len(ratios) // 2]
+                i = sorted(range(len(ratios)), key=lambda j: ratios[j][1] / ratios[j][0])[len(ratios) // 2]
+                b, f = ratios[i]
                 result[bare], result[fed_key], result[f"ratio_{clock}"] = b, f, f / b
+                if cpu[i]["bare"] is not None:
+                    result[f"machine_cpu_{clock}"] = cpu[i]  # of the reported pair
+                    result[f"machine_cpu_pairs_{clock}"] = cpu
             if "bare_flower_updates_per_s" in result and "fedasync_virtual_updates_per_s" in result:
                 # the figure the issue started from: the deterministic loop against the arrival-order bare loop
                 result["ratio_virtual_over_bare_arrival"] = (result["fedasync_virtual_updates_per_s"]
@@ -228,12 +289,19 @@ def main() -> None:
     path = args.out / "loop_overhead.json"
     old = json.loads(path.read_text()) if path.exists() else {}
     old = old if all(isinstance(v, dict) for v in old.values()) else {}  # the flat layout before --model
-    old[args.model] = result
+    key = args.model if not args.bare_new_model_every else \
+        f"{args.model}_bare_new_model_every_{args.bare_new_model_every}"
+    old[key] = result
     path.write_text(json.dumps(old, indent=2) + "\n")
     for clock, (bare, fed) in KEYS.items():
         if fed in result:
             print(f"{clock:7s} order: bare Flower {result[bare]:7.1f}  fedasync {result[fed]:7.1f} updates/s"
                   f"  ratio {result[f'ratio_{clock}']:.2f}")
+            use = result.get(f"machine_cpu_{clock}")
+            if use:
+                print(f"{'':14s}machine CPU per update: bare {use['bare']['cpu_ms_per_update']:.1f} ms "
+                      f"(busy {use['bare']['busy']:.0%}), fedasync {use['fedasync']['cpu_ms_per_update']:.1f} ms "
+                      f"(busy {use['fedasync']['busy']:.0%})")
     print(f"wrote {args.out / 'loop_overhead.json'}")
 
 
