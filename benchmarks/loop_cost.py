@@ -24,11 +24,13 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from fedasync.config import load_config
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loop_overhead import loop_config  # noqa: E402  (the loop loop_overhead.py measures)
 from fedasync.server.loop import AsyncServer
 from fedasync.server.transport import LocalTransport
 from fedasync.store import Store
@@ -123,10 +125,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args()
     data = ["data.dataset=files", f"data.path={MNIST}"] if MNIST.is_file() else []
-    cfg = load_config(None, [f"model.name={args.model}", *data, *args.overrides, "data.num_clients=100",
-                             "server.strategy=fedbuff", "server.concurrency=20", "server.buffer_size=10",
-                             f"server.max_versions={args.updates // 10}", "server.max_virtual_time=null",
-                             "server.eval_every=1000000", "server.poll_interval=0.005"])
+    cfg = loop_config(args.model, [*data, *args.overrides], args.updates)  # loop_overhead.py's loop
     runs = []
     for i in range(args.repeat):
         runs.append(measure(cfg))

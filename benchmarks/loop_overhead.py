@@ -177,6 +177,18 @@ def bare_virtual_loop(grid: Grid, node_of: list[int], params, n_updates: int, co
     return time.perf_counter() - t0
 
 
+def loop_config(model: str, overrides: list[str], updates: int, clients: int = 100, concurrency: int = 20,
+                k: int = 10):
+    """The measured loop's config (also ``benchmarks/loop_cost.py``'s): FedBuff with a buffer of
+    ``k``, ``concurrency`` tasks in flight, ``updates`` updates, no stop but the versions, no
+    evaluation; ``overrides`` (the data) before the loop's own keys."""
+    return load_config(None, [f"model.name={model}", *overrides, f"data.num_clients={clients}",
+                              "server.strategy=fedbuff", f"server.concurrency={concurrency}",
+                              f"server.buffer_size={k}", f"server.max_versions={updates // k}",
+                              "server.max_virtual_time=null", "server.eval_every=1000000",
+                              "server.poll_interval=0.005"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--updates", type=int, default=1500)
@@ -199,15 +211,11 @@ def main() -> None:
     bad = [c for c in args.clock.split(",") if c not in KEYS]
     if bad:
         ap.error(f"--clock: {', '.join(bad)} (known: {', '.join(KEYS)})")
-    k = 10
     load_before = os.getloadavg()
     from fedasync.config import ConfigError
 
     try:
-        cfg = load_config(None, [f"model.name={args.model}", *args.overrides, f"data.num_clients={args.clients}",
-                                 f"server.concurrency={args.concurrency}", f"server.buffer_size={k}",
-                                 f"server.max_versions={args.updates // k}", "server.max_virtual_time=null",
-                                 "server.eval_every=1000000", "server.poll_interval=0.005"])
+        cfg = loop_config(args.model, args.overrides, args.updates, args.clients, args.concurrency)
     except ConfigError as e:
         raise SystemExit(f"{e} (is {args.model} in the model registry of this checkout?)")
     result: dict = {}
