@@ -94,13 +94,23 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def fedavg_time_to_97(path: Path) -> float | None:
+    """The fedavg row's virtual seconds to 97 % in a ``benchmarks/mnist.py`` results file."""
+    rows = json.loads(path.read_text()).get("rows", [])
+    return next((r.get("time_to_97_s") for r in rows if r.get("run") == "fedavg"), None)
+
+
+FEDAVG_RESULTS = ROOT / "benchmarks" / "results" / "mnist-h1800.json"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default=None, help=f"comma-separated, from {', '.join(VARIANTS)}")
     ap.add_argument("--horizon", type=float, default=480.0, help="virtual seconds (each run stops at 97 %%)")
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--fedavg-t97", type=float, default=976.893439,
-                    help="FedAvg's virtual s to 97 %% for the ratio column (results/mnist-h1800.json)")
+    ap.add_argument("--fedavg-t97", type=float, default=None,
+                    help="FedAvg's virtual s to 97 %% for the ratio column (default: the fedavg row of "
+                         "results/mnist-h1800.json, written by benchmarks/mnist.py)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "mnist_fedbuff_sweep.json")
     ap.add_argument("--table", action="store_true")
     args = ap.parse_args()
@@ -111,10 +121,16 @@ def main() -> int:
     bad = [n for n in names if n not in VARIANTS]
     if bad:
         ap.error(f"--only: unknown {bad}")
+    fedavg_t97 = args.fedavg_t97
+    if fedavg_t97 is None:
+        fedavg_t97 = fedavg_time_to_97(FEDAVG_RESULTS) if FEDAVG_RESULTS.is_file() else None
+        if fedavg_t97 is None:
+            ap.error(f"--fedavg-t97: no fedavg row reaching 97 % in {FEDAVG_RESULTS}; run "
+                     "benchmarks/mnist.py --horizon 1800 --out that file, or give the figure")
     with tempfile.TemporaryDirectory() as d, ThreadPoolExecutor(max(1, args.jobs)) as pool:
         rows = list(pool.map(lambda n: run_variant(n, args.horizon, Path(d)), names))
     report = {"command": "python " + " ".join(sys.argv), "horizon": args.horizon,
-              "fedavg_time_to_97_s": args.fedavg_t97, "rows": rows}
+              "fedavg_time_to_97_s": fedavg_t97, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(table(report))

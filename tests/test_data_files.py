@@ -450,6 +450,22 @@ def test_mnist_benchmark_runs_and_sweep_variants_are_valid_configs():
     assert (dp.model.name, dp.privacy.local_dp.enabled, dp.privacy.local_dp.epsilon) == ("dp_cnn", True, 8)
 
 
+def test_mnist_sweep_reads_fedavg_time_to_97_from_the_mnist_results(tmp_path):
+    """The sweep's ratio column divides by FedAvg's time to 97 % as benchmarks/mnist.py wrote it
+    (it was a number typed into the script)."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_sweep2", Path(__file__).parents[1] / "benchmarks" / "mnist_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({"rows": [{"run": "fedbuff", "time_to_97_s": 1.5}, {"run": "fedavg", "time_to_97_s": 7.25}]}))
+    assert sweep.fedavg_time_to_97(path) == 7.25
+    path.write_text(json.dumps({"rows": [{"run": "fedbuff", "time_to_97_s": 1.5}]}))
+    assert sweep.fedavg_time_to_97(path) is None
+
+
 @pytest.mark.parametrize("norm", [None, [0.5, 0.25]])
 def test_mnist_benchmark_full_test_figure_is_the_servers_own_evaluation(files, tmp_path, monkeypatch, norm):
     """benchmarks/mnist.py's run_one reports the final model's accuracy on every test image, which
