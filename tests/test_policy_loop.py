@@ -126,6 +126,73 @@ def test_resume_keeps_the_policies_state(extra, tmp_path):
         assert out[k] == ref[k], k
 
 
+@pytest.mark.parametrize("after", [4, 9, 17])
+def test_resume_with_a_stale_attacker_is_the_uninterrupted_run(after, tmp_path):
+    """A stale attacker is sent the oldest model of its window; a resume reloads the window and
+    re-sends each attacker's task in flight the old model it was sent (the store keeps those
+    versions although they are neither the latest, a checkpoint nor a live task's base)."""
+    cfg = small_config("clock.sigma=1.5", "attack.kind=stale", "attack.fraction=0.3", "attack.lag=4",
+                       "server.max_versions=16", "store.checkpoint_every=0")
+    ref, _, _ = run(cfg, tmp_path, "ref")
+    assert ref["robust"]["malicious_updates"] > 0
+    store = Store(f"sqlite:///{tmp_path / 'crash'}.db")
+    server = AsyncServer(cfg, LocalTransport(), store, clock="virtual")
+    crash_after(store, "record_reply", after)
+    with pytest.raises(Crash):
+        server.run()
+    resumed = AsyncServer(cfg, LocalTransport(), Store(f"sqlite:///{tmp_path / 'crash'}.db"), clock="virtual",
+                          resume_run_id=server.run_id)
+    assert resumed.policy.held_versions()  # the window came back from the store
+    out = resumed.run()
+    for k in ("model_sha256", "versions", "updates_received", "rejections", "staleness", "virtual_time_s"):
+        assert out[k] == ref[k], k
+
+
+def test_stale_attackers_tasks_in_flight_are_resent_the_old_model(tmp_path):
+    """At some crash the resumed server re-sends an attacker's task a model older than the task's
+    base version, bit for bit the one it was sent (seen by the transport)."""
+    cfg = small_config("clock.sigma=1.5", "attack.kind=stale", "attack.fraction=0.3", "attack.lag=4",
+                       "server.max_versions=16", "store.checkpoint_every=0")
+    from fedasync.server.params import params_sha256
+
+    for after in range(6, 30, 2):
+        db = tmp_path / f"c{after}.db"
+        store = Store(f"sqlite:///{db}")
+        server = AsyncServer(cfg, LocalTransport(), store, clock="virtual")
+        first: dict[int, str] = {}  # task id -> sha256 of the model it was sent
+        send = server.transport.send
+
+        def record_first(tasks, send=send, first=first):
+            for t in tasks:
+                first.setdefault(t.task_id, params_sha256(t.params))
+            return send(tasks)
+
+        server.transport.send = record_first
+        crash_after(store, "record_reply", after)
+        with pytest.raises(Crash):
+            server.run()
+        resumed = AsyncServer(cfg, LocalTransport(), Store(f"sqlite:///{db}"), clock="virtual",
+                              resume_run_id=server.run_id)
+        stale = {t: v for t, v in resumed.policy._sent.items() if any(d.task_id == t for d in resumed._resend)}
+        if not stale:
+            continue
+        again: dict[int, str] = {}
+        send2 = resumed.transport.send
+
+        def record_again(tasks):
+            for t in tasks:
+                again.setdefault(t.task_id, params_sha256(t.params))
+            return send2(tasks)
+
+        resumed.transport.send = record_again
+        resumed.run()
+        for t, v in stale.items():
+            assert again[t] == first[t]  # the same old model as before the crash
+            assert v < next(d.base_version for d in store.dispatches(server.run_id) if d.task_id == t)
+        return
+    pytest.fail("no crash point left an attacker's task in flight")
+
+
 def test_dc_asgd_with_lambda_zero_is_no_compensation(tmp_path):
     for strategy in ("fedbuff", "fedasync"):
         base = small_config(f"server.strategy={strategy}", "clock.sigma=1.5")

@@ -271,6 +271,7 @@ class AsyncServer:
         chosen += self.policy.choose(idle, n - len(chosen))
         if not chosen:
             return
+        self.policy.forget_closed(self.live)  # before the new tasks: what it remembers of closed ones goes
         tasks, lives = [], []
         now = self.clock.now
         for c in chosen:
@@ -280,7 +281,7 @@ class AsyncServer:
             dur = task_duration(self.profiles[c], steps, self.model_bytes, self.cfg.clock, self.cfg.seed, tid)
             conf = self._task_config(tid, c, self.version, dur)
             tasks.append(TaskMsg(tid, c, self.node_for_client(c) if self.node_for_client else None,
-                                 self.policy.task_params(c, self.version, self.params), conf))
+                                 self.policy.task_params(c, self.version, self.params, tid), conf))
             self.policy.on_dispatch(c, now, self.version)
             timeout = self.cfg.server.task_timeout
             lives.append(Live(tid, c, self.version, now, now + dur if self.virtual else None,

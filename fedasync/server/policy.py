@@ -26,10 +26,12 @@ The hooks, in the order the loop calls them:
 Resume: the scheduler's state travels in the loop state (``resume.loop_state``); so do the cheap
 parts of a filter's state (:meth:`state_dict`: norm's recent norms, kardam's recent coefficients,
 the version zeno++'s validation gradient was computed at, which is recomputed from the stored
-model). What is *not* carried: kardam's previous pseudo-gradient per client (``O(clients x
-parameters)``; after a resume each client's next update has no coefficient and is accepted) and a
-``stale`` attacker's window of old models. A resumed run with those is a valid run, not
-bit-identical to the uninterrupted one; every other combination is.
+model) and a ``stale`` attacker's window: the versions of the old models kept and the version
+each of its tasks in flight was sent, whose parameters the store keeps
+(:meth:`held_versions`, ``server/retention.py``) and a resume reloads. What is *not* carried:
+kardam's previous pseudo-gradient per client (``O(clients x parameters)``; after a resume each
+client's next update has no coefficient and is accepted). A resumed kardam run is a valid run,
+not bit-identical to the uninterrupted one; every other combination is.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class Policies:
             self.malicious = attackers(self.attack, cfg.data.num_clients, cfg.seed)
         self.clipped = 0
         self._old: dict[int, Params] = {}  # stale attack: recent global models by version
+        self._sent: dict[int, int] = {}  # stale attack: task id -> the version its attacker was sent
         self._zeno_model = None
         self._zeno_xy = None
         if isinstance(self.filter, robust.ZenoPlusPlus):
@@ -112,9 +115,10 @@ class Policies:
         self.observe_budgets(privacy, [client])
 
     # -- what an attacker is sent (simulation only) ----------------------------------------------
-    def task_params(self, client: int, version: int, params: Params) -> Params:
+    def task_params(self, client: int, version: int, params: Params, task_id: int | None = None) -> Params:
         """The model sent to ``client`` at global ``version``: ``params``, or for a ``stale``
-        attacker the oldest model kept within ``attack.lag`` versions (its update claims ``version``)."""
+        attacker the oldest model kept within ``attack.lag`` versions (its update claims ``version``;
+        the version it was sent is remembered for ``task_id``, for a resume)."""
         if self.attack is None or self.attack.kind != "stale":
             return params
         from fedasync.clients.attack import stale_version
@@ -125,7 +129,27 @@ class Policies:
             del self._old[v]
         if client not in self.malicious:
             return params
-        return self._old[min(self._old)]
+        oldest = min(self._old)
+        if task_id is not None and oldest != version:
+            self._sent[task_id] = oldest
+        return self._old[oldest]
+
+    def sent_params(self, task_id: int, base: Params, load_version: Any) -> Params:
+        """What task ``task_id`` was sent, to send it again on resume: ``base`` (its base version's
+        model), or the old model a ``stale`` attacker was sent (``load_version(v) -> params``)."""
+        v = self._sent.get(task_id)
+        if v is None:
+            return base
+        return self._old[v] if v in self._old else load_version(v)
+
+    def forget_closed(self, live: Any) -> None:
+        """Drop what is remembered of tasks no longer in ``live`` (task ids)."""
+        if self._sent:
+            self._sent = {t: v for t, v in self._sent.items() if t in live}
+
+    def held_versions(self) -> set[int]:
+        """Versions whose parameters a resume needs for the attack (the store keeps them)."""
+        return set(self._old) | set(self._sent.values())
 
     def task_config(self, client: int) -> dict[str, Any]:
         """The ``attack`` entry of a malicious client's task (kinds its simulated client carries out)."""
@@ -169,13 +193,20 @@ class Policies:
             d["kardam_coefficients"] = list(f.coefficients)
         elif isinstance(f, robust.NormFilter):
             d["norm"] = f.state_dict()
+        if self.attack is not None and self.attack.kind == "stale":
+            d["stale_window"] = sorted(self._old)
+            d["stale_sent"] = [[t, v] for t, v in sorted(self._sent.items())]
         return d
 
     def load_state_dict(self, d: dict[str, Any] | None, load_version: Any = None) -> None:
-        """``load_version(v) -> params`` (the store's) recomputes zeno++'s validation gradient."""
+        """``load_version(v) -> params`` (the store's) recomputes zeno++'s validation gradient and
+        reloads a ``stale`` attacker's window."""
         if not d:
             return
         self.clipped = int(d.get("clipped", 0))
+        if "stale_window" in d and load_version:
+            self._old = {int(v): load_version(int(v)) for v in d["stale_window"]}
+            self._sent = {int(t): int(v) for t, v in d.get("stale_sent", [])}
         f = self.filter
         if isinstance(f, robust.ZenoPlusPlus) and d.get("zeno_v_version") is not None and load_version:
             v = int(d["zeno_v_version"])

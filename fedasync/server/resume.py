@@ -152,8 +152,10 @@ def resend_tasks(srv: AsyncServer) -> tuple[list[TaskMsg], list[Live]]:
             srv.base_cache[d.base_version] = srv.store.load_version(srv.run_id, d.base_version)[1]
         dur = (d.finish_virtual - d.sent_virtual) if d.finish_virtual is not None else 0.0
         conf = srv._task_config(d.task_id, d.client_id, d.base_version, dur)
+        params = srv.policy.sent_params(d.task_id, srv.base_cache[d.base_version],
+                                        lambda v: srv.store.load_version(srv.run_id, v)[1])
         tasks.append(TaskMsg(d.task_id, d.client_id, srv.node_for_client(d.client_id) if srv.node_for_client
-                             else None, srv.base_cache[d.base_version], conf))
+                             else None, params, conf))
         lives.append(Live(d.task_id, d.client_id, d.base_version, d.sent_virtual, d.finish_virtual,
                           d.sent_virtual + timeout if timeout else None, None, timed_out=d.status == "timeout"))
     srv._resend = []

@@ -9,7 +9,9 @@ are kept only while something needs them:
 * the base version of every update still waiting in the strategy's buffer (a resumed server
   rebuilds the buffer from ``updates.pending_params`` and that base);
 * the last ``keep_last`` versions (``server.average_last``: the server evaluates their mean, and
-  a resumed server reloads them).
+  a resumed server reloads them);
+* the versions a simulated ``stale`` attacker may still be sent or was sent by a task in flight
+  (``Policies.held_versions``: at most ``attack.lag`` + the tasks in flight).
 
 :meth:`Retention.release` names the versions whose parameters nothing needs any more; the loop
 passes them to the store call that makes them unneeded, so they are dropped in the same
@@ -42,20 +44,24 @@ class Retention:
         """An accepted update of ``task_id`` waits in the strategy's buffer."""
         self.pending_base[task_id] = base_version
 
-    def release(self, current: int, live_bases: Iterable[int], pending: Iterable[int]) -> list[int]:
+    def release(self, current: int, live_bases: Iterable[int], pending: Iterable[int],
+                other: Iterable[int] = ()) -> list[int]:
         """Versions whose parameters nothing needs now (and forget them): ``current`` is the latest
         version (kept with the ``keep_last - 1`` before it), ``live_bases`` the base versions of the
-        live tasks, ``pending`` the task ids still buffered."""
+        live tasks, ``pending`` the task ids still buffered, ``other`` versions held for another
+        reason (a simulated attack's)."""
         if not self.save:
             return []
         pending = set(pending)
         if any(t not in pending for t in self.pending_base):
             self.pending_base = {t: v for t, v in self.pending_base.items() if t in pending}
-        refs = {*range(current - self.keep_last + 1, current + 1), *live_bases, *self.pending_base.values()}
+        refs = {*range(current - self.keep_last + 1, current + 1), *live_bases, *self.pending_base.values(), *other}
         drop = sorted(v for v in self.held if v not in refs)
         self.held.difference_update(drop)
         return drop
 
     def release_for(self, srv: Any) -> list[int]:
-        """:meth:`release` for a server (``version``, ``live`` tasks, ``strategy.pending()``)."""
-        return self.release(srv.version, (t.base_version for t in srv.live.values()), srv.strategy.pending())
+        """:meth:`release` for a server (``version``, ``live`` tasks, ``strategy.pending()``, the
+        versions its policy holds)."""
+        return self.release(srv.version, (t.base_version for t in srv.live.values()), srv.strategy.pending(),
+                            srv.policy.held_versions())
