@@ -30,9 +30,10 @@ also records the whole machine's CPU time per update of each loop and how busy t
 core busy, each millisecond of CPU the fedasync loop adds per update costs throughput, whichever
 thread spends it (``benchmarks/loop_cost.py`` measures the part of it no fedasync loop can skip).
 
-The bare loops send one model record throughout (the baseline). A server's model changes:
-``--bare-new-model-every 10`` makes them build a new one every 10 replies, as often as the
-fedasync loop (FedBuff, K = 10) does, to show what the engine charges for a new model.
+The bare loops send one model record throughout (the baseline), while a server's model changes.
+``--bare-new-model-every 10`` asks whether that flatters them: instead of the fedasync loop, each
+pair's second loop is the same bare loop building a new model record every 10 replies (as often
+as the FedBuff loop, K = 10, makes a version); results under ``<model>_bare_new_model_every_N``.
 """
 
 from __future__ import annotations
@@ -199,8 +200,8 @@ def main() -> None:
                     help="bare/fedasync pairs per order; the pair with the median ratio is reported")
     ap.add_argument("--model", default="mlp", help="model.name (mlp, cnn, fedavg_cnn where registered)")
     ap.add_argument("--bare-new-model-every", type=int, default=0, metavar="N",
-                    help="the bare loops send a new model record every N replies (default 0: one record "
-                         "throughout, the baseline); results under '<model>_bare_new_model_every_N'")
+                    help="compare the bare loop with itself sending a new model record every N replies, "
+                         "instead of with the fedasync loop; results under '<model>_bare_new_model_every_N'")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra config KEY=VALUE")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = ap.parse_args()
@@ -239,34 +240,43 @@ def main() -> None:
             result.update({"updates": args.updates, "concurrency": args.concurrency, "clients": args.clients})
             result["repeat"] = args.repeat
             result["bare_new_model_every"] = args.bare_new_model_every
+            every = args.bare_new_model_every
             for clock in args.clock.split(","):
                 bare, fed_key = KEYS[clock]
+                if every:  # the comparison is the bare loop with a new model every N replies
+                    fed_key = f"bare_new_model_every_{every}_{clock}_updates_per_s"
+
+                def run_bare(n: int) -> float:
+                    if clock == "wall":
+                        return bare_loop(grid, nodes, params, args.updates, args.concurrency, n)
+                    return bare_virtual_loop(grid, node_of, params, args.updates, args.concurrency, cfg,
+                                             [len(p[1]) for p in fed.partitions], n)
+
                 ratios, cpu = [], []
                 for _ in range(args.repeat):  # bare, fedasync, bare, fedasync, ...: the same load drifts
                     c0 = machine_cpu()
-                    if clock == "wall":
-                        t_bare = bare_loop(grid, nodes, params, args.updates, args.concurrency,
-                                           args.bare_new_model_every)
-                    else:
-                        t_bare = bare_virtual_loop(grid, node_of, params, args.updates, args.concurrency, cfg,
-                                                   [len(p[1]) for p in fed.partitions], args.bare_new_model_every)
+                    t_bare = run_bare(0)
                     c1 = machine_cpu()
-                    with tempfile.TemporaryDirectory() as d:
-                        store = Store(f"sqlite:///{d}/bench.db")
-                        server = AsyncServer(cfg, transport, store, clock=clock,
-                                             node_for_client=lambda c: node_of[c])
-                        server._evaluate = lambda: None  # the loop without evaluation (the bare loops have none)
-                        t0 = time.perf_counter()
-                        s = server.run()
-                        t_fed = time.perf_counter() - t0
+                    if every:
+                        t_fed, n_fed = run_bare(every), args.updates
                         c2 = machine_cpu()
-                        store.close()
-                        # the tasks it left in flight: pulled, so that the next loop starts on the same
-                        # engine (a bare loop after an undrained fedasync loop ran ~20 % slower)
-                        transport.drain(open_messages(server))
-                    ratios.append((args.updates / t_bare, s["updates_received"] / t_fed))
+                    else:
+                        with tempfile.TemporaryDirectory() as d:
+                            store = Store(f"sqlite:///{d}/bench.db")
+                            server = AsyncServer(cfg, transport, store, clock=clock,
+                                                 node_for_client=lambda c: node_of[c])
+                            server._evaluate = lambda: None  # the loop without evaluation (the bare loops have none)
+                            t0 = time.perf_counter()
+                            n_fed = server.run()["updates_received"]
+                            t_fed = time.perf_counter() - t0
+                            c2 = machine_cpu()
+                            store.close()
+                            # the tasks it left in flight: pulled, so that the next loop starts on the same
+                            # engine (a bare loop after an undrained fedasync loop ran ~20 % slower)
+                            transport.drain(open_messages(server))
+                    ratios.append((args.updates / t_bare, n_fed / t_fed))
                     cpu.append({"bare": cpu_use(c0, c1, args.updates),
-                                "fedasync": cpu_use(c1, c2, s["updates_received"])})
+                                ("bare_new_model" if every else "fedasync"): cpu_use(c1, c2, n_fed)})
                 # the pair with the median ratio; every pair is kept
                 result[f"pairs_{clock}"] = [[round(b, 2), round(f, 2), round(f / b, 3)] for b, f in ratios]
                 i = sorted(range(len(ratios)), key=lambda j: ratios[j][1] / ratios[j][0])[len(ratios) // 2]
@@ -301,15 +311,19 @@ def main() -> None:
         f"{args.model}_bare_new_model_every_{args.bare_new_model_every}"
     old[key] = result
     path.write_text(json.dumps(old, indent=2) + "\n")
+    every = args.bare_new_model_every
+    other, label = ("bare_new_model", f"new model every {every}") if every else ("fedasync", "fedasync")
     for clock, (bare, fed) in KEYS.items():
+        if every:
+            fed = f"bare_new_model_every_{every}_{clock}_updates_per_s"
         if fed in result:
-            print(f"{clock:7s} order: bare Flower {result[bare]:7.1f}  fedasync {result[fed]:7.1f} updates/s"
+            print(f"{clock:7s} order: bare Flower {result[bare]:7.1f}  {label} {result[fed]:7.1f} updates/s"
                   f"  ratio {result[f'ratio_{clock}']:.2f}")
             use = result.get(f"machine_cpu_{clock}")
             if use:
                 print(f"{'':14s}machine CPU per update: bare {use['bare']['cpu_ms_per_update']:.1f} ms "
-                      f"(busy {use['bare']['busy']:.0%}), fedasync {use['fedasync']['cpu_ms_per_update']:.1f} ms "
-                      f"(busy {use['fedasync']['busy']:.0%})")
+                      f"(busy {use['bare']['busy']:.0%}), {label} {use[other]['cpu_ms_per_update']:.1f} ms "
+                      f"(busy {use[other]['busy']:.0%})")
     print(f"wrote {args.out / 'loop_overhead.json'}")
 
 
