@@ -376,3 +376,24 @@ def test_simulate_writes_participation(tmp_path):
         from fedasync.cli.simulate import parse_compare
 
         parse_compare("", small_config())
+
+
+def test_a_filter_that_rejects_everything_is_reported_once(tmp_path, caplog, monkeypatch):
+    """zeno++ set so that no update can pass (rho huge, epsilon 0): the loop warns, once, that the
+    model is not moving and what to change; a filter that accepts says nothing."""
+    import logging
+
+    from fedasync.server import policy
+
+    monkeypatch.setattr(policy, "FILTER_WARN_AFTER", 10)
+    stuck = small_config("server.robust.filter=zeno++", "server.robust.rho=1e9", "server.robust.epsilon=0",
+                         "server.max_versions=null", "server.max_virtual_time=20")
+    with caplog.at_level(logging.WARNING, logger="fedasync"):
+        s, _, _ = run(stuck, tmp_path, "stuck")
+    warned = [r.getMessage() for r in caplog.records if "rejected the last 10 updates in a row" in r.getMessage()]
+    assert s["versions"] == 0 and s["rejections"]["zeno"] >= 20  # it went on rejecting after the warning
+    assert len(warned) == 1 and "server.robust.epsilon" in warned[0] and "zeno++" in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fedasync"):
+        run(small_config("server.robust.filter=zeno++"), tmp_path, "fine")
+    assert not [r for r in caplog.records if "in a row" in r.getMessage()]

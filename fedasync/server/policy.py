@@ -55,6 +55,23 @@ log = logging.getLogger("fedasync")
 Params = dict[str, np.ndarray]
 
 
+#: consecutive rejections by the filter after which the loop warns that the model cannot move
+FILTER_WARN_AFTER = 50
+
+
+def filter_stuck_message(name: str, n: int) -> str:
+    """The warning when the filter has rejected ``n`` updates in a row, with what to change."""
+    hint = {
+        "zeno++": "its test (gamma <v, g> - rho ||g||^2 >= -gamma epsilon) fails for noisy honest updates, "
+                  "e.g. under local DP: raise server.robust.epsilon, lower server.robust.rho or set "
+                  "server.robust.normalize: true",
+        "kardam": "lower server.robust.byzantine_fraction (the share of coefficients it treats as attacks)",
+        "norm": "raise server.robust.norm_multiplier or set server.robust.clip: true",
+    }.get(name, "check the server.robust settings")
+    return (f"server.robust.filter {name} has rejected the last {n} updates in a row: the model is not "
+            f"moving; {hint}")
+
+
 class Policies:
     """Scheduler, delay compensation, filter and attack of one run (see the module docstring)."""
 
@@ -72,6 +89,7 @@ class Policies:
 
             self.malicious = attackers(self.attack, cfg.data.num_clients, cfg.seed)
         self.clipped = 0
+        self._rejected_in_a_row = 0  # by the filter, since its last acceptance (for the warning)
         self._old: dict[int, Params] = {}  # stale attack: recent global models by version
         self._sent: dict[int, int] = {}  # stale attack: task id -> the version its attacker was sent
         self._zeno_model = None
@@ -173,7 +191,11 @@ class Policies:
                 self._refresh_zeno(params, version)
             verdict = self.filter.check(upd)
             if not verdict.accepted:
+                self._rejected_in_a_row += 1
+                if self._rejected_in_a_row == FILTER_WARN_AFTER:
+                    log.warning("%s", filter_stuck_message(self.cfg.server.robust.filter, FILTER_WARN_AFTER))
                 return verdict.reason
+            self._rejected_in_a_row = 0
             if verdict.changes_update():
                 if verdict.delta is not None:
                     self.clipped += 1
