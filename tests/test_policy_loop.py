@@ -397,3 +397,30 @@ def test_a_filter_that_rejects_everything_is_reported_once(tmp_path, caplog, mon
     with caplog.at_level(logging.WARNING, logger="fedasync"):
         run(small_config("server.robust.filter=zeno++"), tmp_path, "fine")
     assert not [r for r in caplog.records if "in a row" in r.getMessage()]
+
+
+def test_a_stale_window_version_the_store_lost_is_skipped_with_a_warning(caplog):
+    """A window naming a version whose parameters are gone (a store written otherwise): the resume
+    goes on without it, warns, and an in-flight task sent that version gets its base model."""
+    import logging
+
+    import numpy as np
+
+    from fedasync.server.policy import Policies
+
+    cfg = small_config("attack.kind=stale", "attack.fraction=0.3", "attack.lag=4")
+    pol = Policies(cfg, fed=None)
+    models = {v: {"w": np.full(2, float(v), np.float32)} for v in (3, 5)}
+
+    def load(v):
+        return models[v]  # KeyError for any other version
+
+    with caplog.at_level(logging.WARNING, logger="fedasync"):
+        pol.load_state_dict({"clipped": 0, "stale_window": [2, 3, 5], "stale_sent": [[40, 1], [41, 3]]}, load)
+        base = {"w": np.zeros(2, np.float32)}
+        assert pol.sent_params(41, base, load) is models[3]
+        assert pol.sent_params(40, base, load) is base  # version 1 is gone: its base model
+        assert pol.sent_params(42, base, load) is base  # not an attacker's task
+    assert sorted(pol._old) == [3, 5] and pol.held_versions() == {1, 3, 5}
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("version 2 was not kept" in m for m in msgs) and any("version 1 (sent to task 40)" in m for m in msgs)

@@ -158,7 +158,14 @@ class Policies:
         v = self._sent.get(task_id)
         if v is None:
             return base
-        return self._old[v] if v in self._old else load_version(v)
+        if v in self._old:
+            return self._old[v]
+        try:
+            return load_version(v)
+        except KeyError:
+            log.warning("stale attack: the model of version %d (sent to task %d) was not kept; the task "
+                        "is sent its base model (the resumed run is valid, not bit-identical)", v, task_id)
+            return base
 
     def forget_closed(self, live: Any) -> None:
         """Drop what is remembered of tasks no longer in ``live`` (task ids)."""
@@ -227,8 +234,14 @@ class Policies:
             return
         self.clipped = int(d.get("clipped", 0))
         if "stale_window" in d and load_version:
-            self._old = {int(v): load_version(int(v)) for v in d["stale_window"]}
             self._sent = {int(t): int(v) for t, v in d.get("stale_sent", [])}
+            self._old = {}
+            for v in map(int, d["stale_window"]):
+                try:
+                    self._old[v] = load_version(v)
+                except KeyError:  # not kept (a store written otherwise): the window restarts without it
+                    log.warning("stale attack: the model of version %d was not kept; the resumed run is "
+                                "valid, not bit-identical", v)
         f = self.filter
         if isinstance(f, robust.ZenoPlusPlus) and d.get("zeno_v_version") is not None and load_version:
             v = int(d["zeno_v_version"])
