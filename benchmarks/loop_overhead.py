@@ -134,6 +134,15 @@ KEYS = {"wall": ("bare_flower_updates_per_s", "fedasync_wall_updates_per_s"),
         "virtual": ("bare_flower_virtual_order_updates_per_s", "fedasync_virtual_updates_per_s")}
 
 
+def compared(clock: str, every: int) -> tuple[str, str, str]:
+    """What each pair's bare loop is compared with: its key in the results, its name in the
+    machine CPU figures, and its label: the fedasync loop, or (``every``) the bare loop with a
+    new model record every ``every`` replies."""
+    if every:
+        return f"bare_new_model_every_{every}_{clock}_updates_per_s", "bare_new_model", f"new model every {every}"
+    return KEYS[clock][1], "fedasync", "fedasync"
+
+
 def bare_virtual_loop(grid: Grid, node_of: list[int], params, n_updates: int, concurrency: int, cfg,
                       examples: list[int], every: int = 0) -> float:
     """The bare loop in virtual-finish order: each task's virtual duration is drawn as fedasync
@@ -242,9 +251,8 @@ def main() -> None:
             result["bare_new_model_every"] = args.bare_new_model_every
             every = args.bare_new_model_every
             for clock in args.clock.split(","):
-                bare, fed_key = KEYS[clock]
-                if every:  # the comparison is the bare loop with a new model every N replies
-                    fed_key = f"bare_new_model_every_{every}_{clock}_updates_per_s"
+                bare = KEYS[clock][0]
+                fed_key, other, _ = compared(clock, every)
 
                 def run_bare(n: int) -> float:
                     if clock == "wall":
@@ -276,7 +284,7 @@ def main() -> None:
                             transport.drain(open_messages(server))
                     ratios.append((args.updates / t_bare, n_fed / t_fed))
                     cpu.append({"bare": cpu_use(c0, c1, args.updates),
-                                ("bare_new_model" if every else "fedasync"): cpu_use(c1, c2, n_fed)})
+                                other: cpu_use(c1, c2, n_fed)})
                 # the pair with the median ratio; every pair is kept
                 result[f"pairs_{clock}"] = [[round(b, 2), round(f, 2), round(f / b, 3)] for b, f in ratios]
                 i = sorted(range(len(ratios)), key=lambda j: ratios[j][1] / ratios[j][0])[len(ratios) // 2]
@@ -311,11 +319,8 @@ def main() -> None:
         f"{args.model}_bare_new_model_every_{args.bare_new_model_every}"
     old[key] = result
     path.write_text(json.dumps(old, indent=2) + "\n")
-    every = args.bare_new_model_every
-    other, label = ("bare_new_model", f"new model every {every}") if every else ("fedasync", "fedasync")
-    for clock, (bare, fed) in KEYS.items():
-        if every:
-            fed = f"bare_new_model_every_{every}_{clock}_updates_per_s"
+    for clock, (bare, _) in KEYS.items():
+        fed, other, label = compared(clock, args.bare_new_model_every)
         if fed in result:
             print(f"{clock:7s} order: bare Flower {result[bare]:7.1f}  {label} {result[fed]:7.1f} updates/s"
                   f"  ratio {result[f'ratio_{clock}']:.2f}")

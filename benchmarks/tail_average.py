@@ -42,14 +42,16 @@ def tail_accuracies(url: str, run_id: int, lasts: list[int]) -> dict:
             raise SystemExit(f"{cfg.data.path} has no test split to evaluate on")
         held = set(store.versions_with_parameters(run_id))
         last, _ = store.load_version(run_id)
+        missing = [v for v in range(last - max(lasts) + 1, last + 1) if v not in held]
+        if missing:
+            raise SystemExit(f"run {run_id} kept no parameters for versions {missing[:5]}...: "
+                             "run it with store.save_parameters=true and store.checkpoint_every=1")
+        # each version loaded once, for every N (the largest N's versions include the others')
+        params = {v: store.load_version(run_id, v)[1] for v in range(last - max(lasts) + 1, last + 1)}
         rows = []
         for n in lasts:
             want = list(range(last - n + 1, last + 1))
-            missing = [v for v in want if v not in held]
-            if missing:
-                raise SystemExit(f"run {run_id} kept no parameters for versions {missing[:5]}...: "
-                                 "run it with store.save_parameters=true and store.checkpoint_every=1")
-            set_params(model, params_mean([store.load_version(run_id, v)[1] for v in want]))
+            set_params(model, params_mean([params[v] for v in want]))
             acc = float(evaluate(model, x_test, y_test)[1])
             rows.append({"last": n, "versions": [want[0], want[-1]], "accuracy_full_test": round(acc, 4)})
             print(f"[tail] run {run_id}: mean of the last {n} versions ({want[0]}-{want[-1]}): "
