@@ -74,7 +74,7 @@ def floor(cfg, k: int = 10, reps: int = 20) -> dict:
     from fedasync.server.params import mean_step, params_sha256
     from fedasync.server.validation import all_finite
     from fedasync.store.blobs import BlobFiles
-    from fedasync.store.store import pack_parts
+    from fedasync.store.codec import pack_parts
     from fedasync.task.data import load_federated
     from fedasync.task.models import init_params
 

@@ -185,7 +185,7 @@ def test_params_round_trip_exactly(url):
 
 
 def test_the_store_format_keeps_shapes_dtypes_and_values_exactly():
-    from fedasync.store.store import pack_params, unpack_params
+    from fedasync.store.codec import pack_params, unpack_params
 
     odd = {"scalar": np.array(3.5), "empty": np.zeros((0, 4), np.int64),
            "strided": np.arange(10, dtype=np.float64)[::2], "fortran": np.asfortranarray(np.ones((2, 3), np.float16))}
