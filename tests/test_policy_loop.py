@@ -424,3 +424,82 @@ def test_a_stale_window_version_the_store_lost_is_skipped_with_a_warning(caplog)
     assert sorted(pol._old) == [3, 5] and pol.held_versions() == {1, 3, 5}
     msgs = [r.getMessage() for r in caplog.records]
     assert any("version 2 was not kept" in m for m in msgs) and any("version 1 (sent to task 40)" in m for m in msgs)
+
+
+@pytest.mark.parametrize("strategy,versions,after,files", [("fedbuff", 15, 5, False), ("fedbuff", 15, 13, True),
+                                                            ("fedasync", 45, 30, True)])
+def test_resume_with_kardam_is_the_uninterrupted_run(strategy, versions, after, files, tmp_path, monkeypatch):
+    """Kardam judges each update against the same client's previous one; the store keeps that
+    update (``updates.filter_params``, one per client) and its base version, so a resumed run
+    makes the same decisions and the same model as the uninterrupted one. With every blob in a
+    file, the files left are exactly those the rows name (a forgotten update's file is deleted,
+    a crash's leftover swept)."""
+    if files:
+        monkeypatch.setattr("fedasync.store.store.EXTERNAL_MIN_BYTES", 0)
+    cfg = small_config("clock.sigma=1.5", f"server.strategy={strategy}", "attack.kind=scale",
+                       "attack.clients=0-3", "server.robust.filter=kardam", "server.robust.warmup=3",
+                       "server.robust.byzantine_fraction=0.2", f"server.max_versions={versions}",
+                       "store.checkpoint_every=0")
+    ref, _, _ = run(cfg, tmp_path, "ref")
+    assert ref["robust"]["rejected"]["kardam"] > 0
+    store = Store(f"sqlite:///{tmp_path / 'crash'}.db")
+    server = AsyncServer(cfg, LocalTransport(), store, clock="virtual")
+    crash_after(store, "record_reply", after)
+    with pytest.raises(Crash):
+        server.run()
+    store2 = Store(f"sqlite:///{tmp_path / 'crash'}.db")
+    kept = store2.filter_updates(server.run_id)
+    clients = [r.client_id for r, _ in kept]
+    assert kept and len(clients) == len(set(clients))  # one remembered update per client
+    for r, _ in kept:  # each is the client's last recorded update, and its base model was kept
+        assert r.task_id == max(u.task_id for u in store2.updates(server.run_id) if u.client_id == r.client_id)
+        store2.load_version(server.run_id, r.base_version)
+    params_dir = tmp_path / "crash.db-params"
+    if files:
+        (params_dir / f"r{server.run_id}-k999").write_bytes(b"left by a crash")
+    resumed = AsyncServer(cfg, LocalTransport(), store2, clock="virtual", resume_run_id=server.run_id)
+    assert set(resumed.policy.filter.prev) == set(clients)
+    out = resumed.run()
+    for k in ("model_sha256", "versions", "updates_received", "rejections", "staleness", "virtual_time_s"):
+        assert out[k] == ref[k], k
+    kept = store2.filter_updates(server.run_id)
+    assert sorted(r.client_id for r, _ in kept) == sorted({u.client_id for u in store2.updates(server.run_id)})
+    if files:
+        from fedasync.store.blobs import is_marker
+
+        ups, vs = store2.updates(server.run_id), store2.versions(server.run_id)
+        named = {b[4:].decode() for b in [v.parameters for v in vs] + [u.pending_params for u in ups]
+                 + [u.filter_params for u in ups] if is_marker(b)}
+        assert {p.name for p in params_dir.iterdir() if p.name != ".spare"} == named
+        assert sum(n.startswith(f"r{server.run_id}-k") for n in named) == len(kept)
+
+
+def test_kardam_restore_skips_an_update_whose_base_model_is_lost(caplog):
+    """restore_filter rebuilds kardam's per-client gradient (``x_base - x_client``) from the kept
+    rows; a row whose base version the store lost is skipped with a warning (that client's next
+    update has no coefficient), and is still forgotten by that client's next judged update."""
+    import logging
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from fedasync.server.policy import Policies
+    from fedasync.server.strategies import Update
+
+    pol = Policies(small_config("server.robust.filter=kardam", "server.robust.warmup=1"), fed=None)
+    models = {2: {"w": np.array([1.0, 2.0], np.float32)}}
+    rows = [(SimpleNamespace(task_id=7, client_id=0, base_version=2, staleness=0, num_examples=5),
+             {"w": np.array([0.5, 1.0], np.float32)}),
+            (SimpleNamespace(task_id=9, client_id=1, base_version=4, staleness=1, num_examples=5),
+             {"w": np.array([0.0, 0.0], np.float32)})]
+    with caplog.at_level(logging.WARNING, logger="fedasync"):
+        pol.restore_filter(rows, lambda v: models[v])  # KeyError for version 4
+    g, v = pol.filter.prev[0]
+    assert v == 2 and np.array_equal(g, np.array([0.5, 1.0])) and set(pol.filter.prev) == {0}
+    assert pol.held_versions() == {2}
+    assert any("version 4 was not kept" in r.getMessage() for r in caplog.records)
+    upd = Update(task_id=12, client_id=1, params={"w": np.ones(2, np.float32)}, base_params=models[2],
+                 base_version=2, staleness=0, num_examples=5)
+    assert pol.judge(upd, models[2], 2) is None  # no previous gradient for client 1: accepted
+    params, forget = pol.take_remembered()
+    assert forget == 9 and params is upd.params and pol.take_remembered() is None

@@ -339,6 +339,40 @@ def test_big_parameters_live_in_files_beside_a_sqlite_file(url, tmp_path):
         assert not files.exists()
 
 
+def test_the_filter_keeps_one_update_per_client(url, tmp_path):
+    """``filter_params`` (kardam's remembered update): written with the reply, forgotten in the
+    same transaction as the client's next one (its file becomes a spare), swept if no row names it."""
+    from fedasync.store.blobs import EXTERNAL_MIN_BYTES, is_marker
+
+    big = {"w": np.random.default_rng(1).standard_normal(EXTERNAL_MIN_BYTES // 4 + 10).astype(np.float32)}
+    store = Store(url)
+    on_files = url.startswith("sqlite")
+    files = tmp_path / "store.db-params"
+    run = store.create_run("t", "fedasync", 3, "name: t\n", "simulation")
+    store.add_initial_version(run, PARAMS, "0" * 64)
+    store.record_dispatches(run, [{"task_id": t, "client_id": t % 2, "base_version": 0, "sent_virtual": 0.0,
+                                   "finish_virtual": 1.0, "node_id": None, "message_id": None} for t in range(3)],
+                            next_task_id=3)
+    row = {"client_id": 0, "base_version": 0, "version_at_arrival": 0, "staleness": 0, "weight": None,
+           "num_examples": 10, "loss": 0.5, "epsilon": None, "params_sha256": "1" * 64, "accepted": False,
+           "reason": "kardam", "received_virtual": 1.0, "pending_params": None, "filter_params": big}
+    store.record_reply(run, 0, row, "replied", None, "{}", 1.0)
+    store.record_reply(run, 1, dict(row, client_id=1, filter_params=PARAMS), "replied", None, "{}", 1.0)
+    assert [(u.task_id, u.client_id) for u, _ in store.filter_updates(run)] == [(0, 0), (1, 1)]
+    if on_files:
+        assert blob_names(files) == [f"r{run}-k0"]
+    store.record_reply(run, 2, dict(row, filter_params=big), "replied", None, "{}", 2.0, forget_filter_params=0)
+    kept = store.filter_updates(run)
+    assert [(u.task_id, u.client_id) for u, _ in kept] == [(1, 1), (2, 0)]
+    assert np.array_equal(kept[1][1]["w"], big["w"]) and np.array_equal(kept[0][1]["steps"], PARAMS["steps"])
+    assert {u.task_id: u.filter_params is None for u in store.updates(run)} == {0: True, 1: False, 2: False}
+    if on_files:
+        assert is_marker(store.updates(run)[2].filter_params)
+        assert blob_names(files) == [f"r{run}-k2"] and len(list((files / ".spare").iterdir())) == 1
+        (files / f"r{run}-k5").write_bytes(b"x")  # left by a crash
+        assert store.sweep_params(run) == 1 and blob_names(files) == [f"r{run}-k2"]
+
+
 def test_an_in_memory_sqlite_store_keeps_big_parameters_in_the_row():
     from fedasync.store.blobs import EXTERNAL_MIN_BYTES, is_marker
 

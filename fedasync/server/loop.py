@@ -453,6 +453,7 @@ class AsyncServer:
                          pending=reason is None and t.task_id in self.strategy.pending(), params_sha256=digest())
         if row["pending_params"] is not None:  # what the buffer holds (filtered / compensated), for a resume
             row["pending_params"] = upd.params
+        row["filter_params"], forget = self.policy.take_remembered() or (None, None)  # kardam, for a resume
         privacy, client_state = (None, None) if self.privacy is None else \
             self.privacy.on_reply(t.client_id, t.task_id, reply.metrics)  # DP: privacy_spend row, accountant
         self.policy.on_reply(t.client_id, self.clock.now - t.sent_t, s, self.privacy)
@@ -462,7 +463,7 @@ class AsyncServer:
         self.store.record_reply(self.run_id, t.task_id, row, status,
                                 new_version, resume.loop_state(self),
                                 self.clock.now, privacy=privacy, client_state=client_state,
-                                drop_params=self.retention.release_for(self))
+                                drop_params=self.retention.release_for(self), forget_filter_params=forget)
         if new_version is not None:
             self.retention.stored(self.version)  # (retention keeps nothing without save_parameters)
             cancel_dropped(self)

@@ -28,10 +28,12 @@ parts of a filter's state (:meth:`state_dict`: norm's recent norms, kardam's rec
 the version zeno++'s validation gradient was computed at, which is recomputed from the stored
 model) and a ``stale`` attacker's window: the versions of the old models kept and the version
 each of its tasks in flight was sent, whose parameters the store keeps
-(:meth:`held_versions`, ``server/retention.py``) and a resume reloads. What is *not* carried:
-kardam's previous pseudo-gradient per client (``O(clients x parameters)``; after a resume each
-client's next update has no coefficient and is accepted). A resumed kardam run is a valid run,
-not bit-identical to the uninterrupted one; every other combination is.
+(:meth:`held_versions`, ``server/retention.py``) and a resume reloads. Kardam's previous
+pseudo-gradient per client (``O(clients x parameters)``) is not in the loop state: the store
+keeps each client's last judged update as judged (``updates.filter_params``, cleared by the
+client's next one, :meth:`take_remembered`) and its base version (:meth:`held_versions`), and a
+resume recomputes the gradients from them (:meth:`restore_filter`). Every combination resumes
+bit-identically.
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ class Policies:
         self._rejected_in_a_row = 0  # by the filter, since its last acceptance (for the warning)
         self._old: dict[int, Params] = {}  # stale attack: recent global models by version
         self._sent: dict[int, int] = {}  # stale attack: task id -> the version its attacker was sent
+        self._remembered: dict[int, int] = {}  # kardam: client -> task id of the update it remembers
+        self._just_remembered: tuple[Params, int | None] | None = None  # see :meth:`take_remembered`
         self._zeno_model = None
         self._zeno_xy = None
         if isinstance(self.filter, robust.ZenoPlusPlus):
@@ -173,8 +177,12 @@ class Policies:
             self._sent = {t: v for t, v in self._sent.items() if t in live}
 
     def held_versions(self) -> set[int]:
-        """Versions whose parameters a resume needs for the attack (the store keeps them)."""
-        return set(self._old) | set(self._sent.values())
+        """Versions whose parameters a resume needs (the store keeps them): for the attack, and
+        kardam's base models of the updates it remembers (at most one per client)."""
+        held = set(self._old) | set(self._sent.values())
+        if isinstance(self.filter, robust.Kardam):
+            held |= set(self.filter.models)
+        return held
 
     def task_config(self, client: int) -> dict[str, Any]:
         """The ``attack`` entry of a malicious client's task (kinds its simulated client carries out)."""
@@ -197,6 +205,9 @@ class Policies:
             if isinstance(self.filter, robust.ZenoPlusPlus) and self.filter.needs_refresh(version):
                 self._refresh_zeno(params, version)
             verdict = self.filter.check(upd)
+            if isinstance(self.filter, robust.Kardam):  # it now remembers upd, as judged (whatever the verdict)
+                self._just_remembered = (upd.params, self._remembered.get(upd.client_id))
+                self._remembered[upd.client_id] = upd.task_id
             if not verdict.accepted:
                 self._rejected_in_a_row += 1
                 if self._rejected_in_a_row == FILTER_WARN_AFTER:
@@ -211,7 +222,34 @@ class Policies:
             upd.params = self.compensate(params, upd.base_params, upd.params)
         return None
 
+    def take_remembered(self) -> tuple[Params, int | None] | None:
+        """After :meth:`judge`: when the filter now remembers the update it judged (kardam), its
+        parameters as judged and the task id of the same client's update it forgot (``None``: the
+        first), for the store (``updates.filter_params``); otherwise ``None``. Taken once."""
+        out, self._just_remembered = self._just_remembered, None
+        return out
+
     # -- resume --------------------------------------------------------------------------------------
+    def restore_filter(self, rows: Any, load_version: Any) -> None:
+        """Kardam, on resume: remember again the updates the store kept (``Store.filter_updates``:
+        ``(row, params)`` in task order), their base models from ``load_version(v) -> params``."""
+        if not isinstance(self.filter, robust.Kardam):
+            return
+        bases: dict[int, Params] = {}
+        for row, params in rows:
+            v = int(row.base_version)
+            self._remembered[int(row.client_id)] = int(row.task_id)  # forgotten by its client's next update
+            if v not in bases:
+                try:
+                    bases[v] = load_version(v)
+                except KeyError:
+                    log.warning("kardam: the model of version %d was not kept; client %d's next update has no "
+                                "coefficient (the resumed run is valid, not bit-identical)", v, row.client_id)
+                    continue
+            self.filter.remember(Update(task_id=row.task_id, client_id=row.client_id, params=params,
+                                        base_params=bases[v], base_version=v, staleness=row.staleness,
+                                        num_examples=row.num_examples or 0))
+
     def state_dict(self) -> dict[str, Any]:
         """The filter's cheap state (see the module docstring); the scheduler's is saved beside it."""
         f = self.filter

@@ -85,6 +85,7 @@ def update_row(t: Live, reply: Reply, *, version_at_arrival: int, staleness: int
         "params_sha256": params_sha256,
         "accepted": reason is None, "reason": reason, "received_virtual": now,
         "pending_params": reply.params if pending else None,
+        "filter_params": None,  # the loop sets it when the robust filter remembers this update
     }
 
 

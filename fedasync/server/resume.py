@@ -81,6 +81,8 @@ def restore(srv: AsyncServer, run_id: int) -> None:
             srv.clock.advance_to(state["virtual_time"])
         else:
             srv.clock = WallClock(offset=state["virtual_time"])
+    # kardam: each client's last judged update (its previous pseudo-gradient, recomputed)
+    srv.policy.restore_filter(store.filter_updates(run_id), lambda v: store.load_version(run_id, v)[1])
     srv.retention = Retention(srv.cfg.store.checkpoint_every, srv.cfg.store.save_parameters,
                               held=store.versions_with_parameters(run_id), keep_last=srv.cfg.server.average_last)
     # server.average_last: the versions whose mean the server evaluates (retention kept them)

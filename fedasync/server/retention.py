@@ -11,12 +11,14 @@ are kept only while something needs them:
 * the last ``keep_last`` versions (``server.average_last``: the server evaluates their mean, and
   a resumed server reloads them);
 * the versions a simulated ``stale`` attacker may still be sent or was sent by a task in flight
-  (``Policies.held_versions``: at most ``attack.lag`` + the tasks in flight).
+  (``Policies.held_versions``: at most ``attack.lag`` + the tasks in flight);
+* with the kardam filter, the base version of each client's last judged update (also
+  ``Policies.held_versions``: at most one per client, what the filter holds in memory).
 
 :meth:`Retention.release` names the versions whose parameters nothing needs any more; the loop
 passes them to the store call that makes them unneeded, so they are dropped in the same
-transaction. Nothing here is O(versions) or O(clients): the set held is at most the live tasks,
-the buffer and the last ``keep_last`` versions. Pure: no database, no Flower.
+transaction. Nothing here is O(versions), nor O(clients) without kardam: the set held is at
+most the live tasks, the buffer and the last ``keep_last`` versions. Pure: no database, no Flower.
 """
 
 from __future__ import annotations

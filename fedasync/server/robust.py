@@ -323,15 +323,23 @@ class Kardam(Filter):
         if k is not None:
             self.coefficients.append(k)
             del self.coefficients[: max(0, len(self.coefficients) - self.window)]
-        # remember this update as the client's previous one (its gradient, whatever the verdict)
+        self._remember(client, g, version, x)  # the client's previous update, whatever the verdict
+        scale = math.exp(-self.dampening * int(update.staleness)) if self.dampening > 0 else 1.0
+        return Verdict(reason, scale=scale if reason is None else 1.0, score=k, threshold=thr)
+
+    def _remember(self, client: int, g: np.ndarray, version: int, x: np.ndarray) -> None:
         self.prev[client] = (g, version)
         if version not in self.models:
             self.models[version] = x
         used = {v for _, v in self.prev.values()}
         for v in [v for v in self.models if v not in used]:
             del self.models[v]
-        scale = math.exp(-self.dampening * int(update.staleness)) if self.dampening > 0 else 1.0
-        return Verdict(reason, scale=scale if reason is None else 1.0, score=k, threshold=thr)
+
+    def remember(self, update: Any) -> None:
+        """Take ``update`` (as :meth:`check` saw it) as its client's previous one without judging
+        it: a resume rebuilds :attr:`prev` from the updates the store kept (``filter_params``)."""
+        self._remember(int(update.client_id), pseudo_gradient(update), int(update.base_version),
+                       flat(update.base_params))
 
     def state_dict(self) -> dict[str, Any]:
         d = super().state_dict()

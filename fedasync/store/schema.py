@@ -99,6 +99,10 @@ class Update(Base):
     # the parameters of an accepted update still waiting in the strategy's buffer (cleared once
     # aggregated): a resumed server rebuilds the buffer from these
     pending_params: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    # the update's parameters as the robust filter judged them, while the filter remembers it as
+    # its client's previous update (kardam; cleared by the client's next judged update): a resumed
+    # server rebuilds the filter's per-client state from these
+    filter_params: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     received_virtual: Mapped[float] = mapped_column(Float)
     received_wall: Mapped[float] = mapped_column(Float)
 

@@ -38,6 +38,8 @@ _RUN_VERSION = _RUN_STEP.values(current_version=_B("b_cv"))
 _RUN_DISPATCH = _RUN_STEP.values(next_task_id=_B("b_next"))
 _APPLIED = update(_U).where(_U.c.run_id == _B("b_run"), _U.c.task_id.in_(_B("b_ids", expanding=True))) \
     .values(applied_in_version=_B("b_v"), pending_params=None)
+_FORGET_FILTER = update(_U).where(_U.c.run_id == _B("b_run"), _U.c.task_id == _B("b_task")) \
+    .values(filter_params=None)
 _INSERT_U, _INSERT_MV, _INSERT_D = insert(_U), insert(_MV), insert(_D)
 
 
@@ -257,8 +259,8 @@ class Store:
         with self.session() as s:
             named = set(s.scalars(select(_MV.c.parameters).where(_MV.c.run_id == run_id,
                                                                  _MV.c.parameters.is_not(None))))
-            named |= set(s.scalars(select(_U.c.pending_params).where(_U.c.run_id == run_id,
-                                                                    _U.c.pending_params.is_not(None))))
+            for col in (_U.c.pending_params, _U.c.filter_params):
+                named |= set(s.scalars(select(col).where(_U.c.run_id == run_id, col.is_not(None))))
         return self.blobs.sweep(f"r{run_id}-", named)
 
     def _write(self, op: Callable[[Connection], Any]) -> None:
@@ -306,15 +308,17 @@ class Store:
     def record_reply(self, run_id: int, task_id: int, update_row: dict, dispatch_status: str,
                      new_version: dict | None, loop_state: str, virtual_time: float,
                      privacy: dict | list[dict] | None = None, client_state: dict | None = None,
-                     drop_params: list[int] | None = None) -> None:
+                     drop_params: list[int] | None = None, forget_filter_params: int | None = None) -> None:
         """One transaction (or part of the open :meth:`batch`): the update (accepted or rejected),
         the dispatch's status, the model version it produced (with the ids of every update
         aggregated into it), the run's current version and resumable loop state, the client's
-        privacy spend, and the parameters of ``drop_params`` versions forgotten (retention)."""
+        privacy spend, the parameters of ``drop_params`` versions forgotten (retention) and the
+        ``filter_params`` of task ``forget_filter_params`` (the same client's update the filter
+        remembered until this one)."""
         now = time.time()
         row = dict(update_row, run_id=run_id, task_id=task_id, received_wall=now)
-        row["pending_params"] = self._pack(row["pending_params"], f"r{run_id}-u{task_id}") \
-            if row.get("pending_params") is not None else None
+        for col, tag in (("pending_params", "u"), ("filter_params", "k")):
+            row[col] = self._pack(row[col], f"r{run_id}-{tag}{task_id}") if row.get(col) is not None else None
         version_row = None
         if new_version is not None:
             params = new_version.get("params")
@@ -340,6 +344,9 @@ class Store:
             else:
                 c.execute(_RUN_STEP, run_values)
             self._drop_params(c, run_id, drop_params)
+            if forget_filter_params is not None:
+                c.execute(_FORGET_FILTER, {"b_run": run_id, "b_task": forget_filter_params})
+                self._recycle.append(f"r{run_id}-k{forget_filter_params}")
             if spends:
                 c.execute(insert(_PS), spends)
             if client_state:
@@ -414,6 +421,14 @@ class Store:
                                                     S.Update.pending_params.is_not(None))
                              .order_by(S.Update.id))  # the order they were added in (float sums)
             return [(r, self._unpack(r.pending_params)) for r in rows]
+
+    def filter_updates(self, run_id: int) -> list[tuple[S.Update, Params]]:
+        """The updates the robust filter remembers (one per client at most: its last judged update),
+        with their parameters as judged, in task order."""
+        with self.session() as s:
+            rows = s.scalars(select(S.Update).where(S.Update.run_id == run_id, S.Update.filter_params.is_not(None))
+                             .order_by(S.Update.task_id))
+            return [(r, self._unpack(r.filter_params)) for r in rows]
 
     def dispatches(self, run_id: int, status: str | None = None) -> list[S.Dispatch]:
         with self.session() as s:
