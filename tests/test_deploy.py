@@ -523,3 +523,38 @@ def test_grid_transport_drains_the_replies_a_run_left():
     t = GridTransport(grid)
     assert t.drain(["a", "b", None]) == 0 and grid.pulls == 3
     assert t.drain(["c"], timeout=0.1) == 1 and grid.pulls > 3
+
+
+def test_grid_transport_builds_each_models_record_once(monkeypatch):
+    """One ArrayRecord per model object, also when tasks alternate between two models (the
+    current one and a stale attacker's old one); a third model evicts the oldest."""
+    import numpy as np
+
+    import fedasync.server.app as app_mod
+    from fedasync.server.app import GridTransport
+    from fedasync.server.transport import TaskMsg
+
+    from types import SimpleNamespace as NS
+
+    built = []
+    real = app_mod.params_to_record
+    monkeypatch.setattr(app_mod, "params_to_record", lambda p: built.append(p) or real(p))
+    monkeypatch.setattr(app_mod, "Message", lambda content, **kw: NS(content=content, **kw))  # no Flower run here
+
+    class Grid:
+        def __init__(self):
+            self.sent = []
+
+        def push_messages(self, msgs):
+            self.sent += msgs
+            return [str(len(self.sent) - len(msgs) + i) for i in range(len(msgs))]
+
+    a, b, c = ({"w": np.full(3, x, np.float32)} for x in (1.0, 2.0, 3.0))
+    t = GridTransport(Grid())
+    t.send([TaskMsg(i, i, 1, p, {}) for i, p in enumerate([a, b, a, b, a])])
+    assert [x is a for x in built] == [True, False]
+    t.send([TaskMsg(5, 0, 1, b, {}), TaskMsg(6, 0, 1, c, {}), TaskMsg(7, 0, 1, b, {}), TaskMsg(8, 0, 1, a, {})])
+    assert len(built) == 4 and built[2] is c and built[3] is a  # a was evicted by c
+    recs = [m.content["params"] for m in t.grid.sent]  # the shared record of each model, its arrays intact
+    assert recs[0] is recs[2] is recs[4] and recs[1] is recs[3] is recs[5] is recs[7] and recs[0] is not recs[1]
+    assert [float(r.to_numpy_ndarrays()[0][0]) for r in recs] == [1, 2, 1, 2, 1, 2, 3, 2, 1]

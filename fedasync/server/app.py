@@ -61,17 +61,22 @@ class GridTransport:
     def __init__(self, grid: Grid, group_id: str = "fedasync"):
         self.grid = grid
         self.group_id = group_id
-        self._last: tuple[Params, ArrayRecord] | None = None  # (params, its record): see _record
+        self._records: list[tuple[Params, ArrayRecord]] = []  # (params, its record), newest first: see _record
 
     def node_ids(self) -> list[int]:
         return sorted(self.grid.get_node_ids())
 
     def _record(self, params: Params) -> ArrayRecord:
         """The ArrayRecord of ``params``, built once per model (the loop sends one params object
-        per version to many clients; Flower's strategies likewise share one record per round)."""
-        if self._last is None or self._last[0] is not params:
-            self._last = (params, params_to_record(params))
-        return self._last[1]
+        per version to many clients; Flower's strategies likewise share one record per round).
+        The last two models are kept: a simulated ``stale`` attacker is sent an old model between
+        the current one's tasks, which must not rebuild the current one's record each time."""
+        for p, rec in self._records:
+            if p is params:
+                return rec
+        rec = params_to_record(params)
+        self._records = [(params, rec), *self._records[:1]]
+        return rec
 
     def wait_for_nodes(self, n: int, timeout: float = 120.0) -> list[int]:
         t0 = time.time()
