@@ -503,3 +503,14 @@ def test_kardam_restore_skips_an_update_whose_base_model_is_lost(caplog):
     assert pol.judge(upd, models[2], 2) is None  # no previous gradient for client 1: accepted
     params, forget = pol.take_remembered()
     assert forget == 9 and params is upd.params and pol.take_remembered() is None
+
+
+def test_kardam_keeps_no_updates_when_the_store_keeps_no_parameters(tmp_path):
+    """store.save_parameters: false means no resume, so the updates kardam remembers are not
+    written either (with parameters kept, every client that sent an update has one)."""
+    common = ["server.robust.filter=kardam", "server.robust.warmup=3", "server.max_versions=6"]
+    off, store, _ = run(small_config(*common, "store.save_parameters=false"), tmp_path, "off")
+    on, store_on, _ = run(small_config(*common), tmp_path, "on")
+    assert store.filter_updates(off["run_id"]) == []
+    assert off["model_sha256"] == on["model_sha256"]  # the same decisions either way
+    assert len(store_on.filter_updates(on["run_id"])) == len({u.client_id for u in store_on.updates(on["run_id"])}) > 0

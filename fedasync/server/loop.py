@@ -453,7 +453,8 @@ class AsyncServer:
                          pending=reason is None and t.task_id in self.strategy.pending(), params_sha256=digest())
         if row["pending_params"] is not None:  # what the buffer holds (filtered / compensated), for a resume
             row["pending_params"] = upd.params
-        row["filter_params"], forget = self.policy.take_remembered() or (None, None)  # kardam, for a resume
+        kept = self.policy.take_remembered()  # kardam: the update it now remembers, kept for a resume
+        row["filter_params"], forget = kept if kept and self.cfg.store.save_parameters else (None, None)
         privacy, client_state = (None, None) if self.privacy is None else \
             self.privacy.on_reply(t.client_id, t.task_id, reply.metrics)  # DP: privacy_spend row, accountant
         self.policy.on_reply(t.client_id, self.clock.now - t.sent_t, s, self.privacy)
