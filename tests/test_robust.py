@@ -140,6 +140,8 @@ def test_kardam_state_round_trip_continues_identically():
     rb = [b.check(lipschitz_update(c, x, L, t)) for c, x, L, t in seq[40:]]
     assert [(v.reason, v.score) for v in ra] == [(v.reason, v.score) for v in rb]
     assert any(v.reason == "kardam" for v in ra)
+    for k in (a, b):  # it keeps the base models its clients' previous updates refer to, no other
+        assert set(k.models) == {v for _, v in k.prev.values()} and len(k.models) <= 6
 
 
 # -- norm ----------------------------------------------------------------------------------------

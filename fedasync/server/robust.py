@@ -98,6 +98,7 @@ from __future__ import annotations
 import base64
 import math
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -296,6 +297,7 @@ class Kardam(Filter):
         self.coefficients: list[float] = []
         self.prev: dict[int, tuple[np.ndarray, int]] = {}  # client -> (g, base_version) of its last update
         self.models: dict[int, np.ndarray] = {}  # base_version -> x_base, for the versions prev refers to
+        self._refs: Counter[int] = Counter()  # base_version -> how many clients' prev refer to it
 
     def threshold(self) -> float | None:
         if len(self.coefficients) < self.warmup:
@@ -328,12 +330,17 @@ class Kardam(Filter):
         return Verdict(reason, scale=scale if reason is None else 1.0, score=k, threshold=thr)
 
     def _remember(self, client: int, g: np.ndarray, version: int, x: np.ndarray) -> None:
+        """``prev[client] = (g, version)``; ``models`` keeps the versions some ``prev`` refers to
+        (reference counts: O(1) per update, not O(clients))."""
+        old = self.prev.get(client)
         self.prev[client] = (g, version)
+        self._refs[version] += 1
         if version not in self.models:
             self.models[version] = x
-        used = {v for _, v in self.prev.values()}
-        for v in [v for v in self.models if v not in used]:
-            del self.models[v]
+        if old is not None:
+            self._refs[old[1]] -= 1
+            if self._refs[old[1]] == 0:
+                del self._refs[old[1]], self.models[old[1]]
 
     def remember(self, update: Any) -> None:
         """Take ``update`` (as :meth:`check` saw it) as its client's previous one without judging
@@ -353,6 +360,7 @@ class Kardam(Filter):
         self.coefficients = [float(k) for k in d["coefficients"]]
         self.prev = {int(c): (dec_array(g), int(v)) for c, g, v in d["prev"]}
         self.models = {int(v): dec_array(x) for v, x in d["models"]}
+        self._refs = Counter(v for _, v in self.prev.values())
 
 
 class NormFilter(Filter):
