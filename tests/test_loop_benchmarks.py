@@ -59,3 +59,11 @@ def test_loop_cost_floor_times_each_piece_of_unavoidable_array_work():
     assert all(fl[p] >= 0 for p in pieces)
     assert fl["total_ms"] == pytest.approx(sum(fl[p] for p in pieces), abs=1e-2)
     assert fl["reply_sha256"] > 0  # hashing 9k parameters takes measurable time
+
+
+def test_kardam_cost_benchmark_times_checks_in_a_steady_state():
+    """benchmarks/kardam_cost.py: every client has a previous update before timing starts, and
+    the filter keeps only the base versions those updates refer to (a few, not one per update)."""
+    r = _load("kardam_cost").measure("mlp", clients=6, updates=30, buffer=3)
+    assert r["updates_timed"] == 30 and r["parameters"] > 0
+    assert r["check_ms_median"] > 0 and 1 <= r["base_versions_kept"] <= 4  # the last 6 updates span <= 4 bases
