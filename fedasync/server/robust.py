@@ -332,9 +332,7 @@ class Kardam(Filter):
         """Judge ``update``. Its base model is flattened once per version (a version is one model:
         the one kept in :attr:`models` is reused while some client's previous update refers to it)."""
         client, version = int(update.client_id), int(update.base_version)
-        x = self.models.get(version)
-        if x is None:
-            x = flat(update.base_params)
+        x = self._base(update)
         g = pseudo_gradient(update, x)
         k = self.coefficient(client, g, x)
         thr = self.threshold()
@@ -359,11 +357,16 @@ class Kardam(Filter):
             if self._refs[old[1]] == 0:
                 del self._refs[old[1]], self.models[old[1]]
 
+    def _base(self, update: Any) -> np.ndarray:
+        """The update's base model, flat: the one kept for its version, else flattened now."""
+        x = self.models.get(int(update.base_version))
+        return flat(update.base_params) if x is None else x
+
     def remember(self, update: Any) -> None:
         """Take ``update`` (as :meth:`check` saw it) as its client's previous one without judging
         it: a resume rebuilds :attr:`prev` from the updates the store kept (``filter_params``)."""
-        self._remember(int(update.client_id), pseudo_gradient(update), int(update.base_version),
-                       flat(update.base_params))
+        x = self._base(update)
+        self._remember(int(update.client_id), pseudo_gradient(update, x), int(update.base_version), x)
 
     def state_dict(self) -> dict[str, Any]:
         d = super().state_dict()
