@@ -74,6 +74,16 @@ def filter_stuck_message(name: str, n: int) -> str:
             f"moving; {hint}")
 
 
+def kept_model(load_version: Any, v: int, who: str, then: str, detail: str = "") -> Params | None:
+    """``load_version(v)`` on resume, or ``None`` with a warning when the store did not keep version
+    ``v``'s parameters (``who``: what needed them, ``then``: what the resumed run does instead)."""
+    try:
+        return load_version(v)
+    except KeyError:
+        log.warning("%s: the model of version %d%s was not kept; %s", who, v, detail, then)
+        return None
+
+
 class Policies:
     """Scheduler, delay compensation, filter and attack of one run (see the module docstring)."""
 
@@ -164,12 +174,9 @@ class Policies:
             return base
         if v in self._old:
             return self._old[v]
-        try:
-            return load_version(v)
-        except KeyError:
-            log.warning("stale attack: the model of version %d (sent to task %d) was not kept; the task "
-                        "is sent its base model (the resumed run is valid, not bit-identical)", v, task_id)
-            return base
+        sent = kept_model(load_version, v, "stale attack", "the task is sent its base model (the resumed run is "
+                          "valid, not bit-identical)", detail=f" (sent to task {task_id})")
+        return base if sent is None else sent
 
     def forget_closed(self, live: Any) -> None:
         """Drop what is remembered of tasks no longer in ``live`` (task ids)."""
@@ -240,12 +247,11 @@ class Policies:
             v = int(row.base_version)
             self._remembered[int(row.client_id)] = int(row.task_id)  # forgotten by its client's next update
             if v not in bases:
-                try:
-                    bases[v] = load_version(v)
-                except KeyError:
-                    log.warning("kardam: the model of version %d was not kept; client %d's next update has no "
-                                "coefficient (the resumed run is valid, not bit-identical)", v, row.client_id)
+                base = kept_model(load_version, v, "kardam", f"client {row.client_id}'s next update has no "
+                                  "coefficient (the resumed run is valid, not bit-identical)")
+                if base is None:
                     continue
+                bases[v] = base
             self.filter.remember(Update(task_id=row.task_id, client_id=row.client_id, params=params,
                                         base_params=bases[v], base_version=v, staleness=row.staleness,
                                         num_examples=row.num_examples or 0))
@@ -274,20 +280,16 @@ class Policies:
         if "stale_window" in d and load_version:
             self._sent = {int(t): int(v) for t, v in d.get("stale_sent", [])}
             self._old = {}
-            for v in map(int, d["stale_window"]):
-                try:
-                    self._old[v] = load_version(v)
-                except KeyError:  # not kept (a store written otherwise): the window restarts without it
-                    log.warning("stale attack: the model of version %d was not kept; the resumed run is "
-                                "valid, not bit-identical", v)
+            for v in map(int, d["stale_window"]):  # one not kept (a store written otherwise): left out
+                old = kept_model(load_version, v, "stale attack", "the resumed run is valid, not bit-identical")
+                if old is not None:
+                    self._old[v] = old
         f = self.filter
         if isinstance(f, robust.ZenoPlusPlus) and d.get("zeno_v_version") is not None and load_version:
             v = int(d["zeno_v_version"])
-            try:
-                self._refresh_zeno(load_version(v), v)
-            except KeyError:
-                log.warning("zeno++: the model of version %d was not kept; the validation gradient is "
-                            "recomputed at the next update", v)
+            model = kept_model(load_version, v, "zeno++", "the validation gradient is recomputed at the next update")
+            if model is not None:
+                self._refresh_zeno(model, v)
         elif isinstance(f, robust.Kardam) and "kardam_coefficients" in d:
             f.coefficients = [float(k) for k in d["kardam_coefficients"]]
         elif isinstance(f, robust.NormFilter) and "norm" in d:

@@ -51,7 +51,7 @@ class Retention:
         """Versions whose parameters nothing needs now (and forget them): ``current`` is the latest
         version (kept with the ``keep_last - 1`` before it), ``live_bases`` the base versions of the
         live tasks, ``pending`` the task ids still buffered, ``other`` versions held for another
-        reason (a simulated attack's)."""
+        reason (``Policies.held_versions``: a simulated attack's, kardam's)."""
         if not self.save:
             return []
         pending = set(pending)
