@@ -237,3 +237,27 @@ def test_retention_releases_what_nothing_refers_to():
     assert r.release(current=5, live_bases=[], pending=[]) == [1, 4]
     assert r.held == set()
     assert Retention(0, save=False, held=[0, 1]).release(5, [], []) == []
+
+
+def test_the_loop_runs_numpy_blas_on_one_thread_and_gives_the_setting_back(tmp_path):
+    # OpenBLAS's idle threads spin after every call, taking cores from the clients; the loop's
+    # vector products run on one thread (server/params.py: one_blas_thread), restored at the end
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from fedasync.clients.runner import handle_train
+
+    def blas_threads() -> set[int]:
+        return {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+
+    seen = []
+
+    def client(params, config):
+        seen.append(blas_threads())
+        return handle_train(params, config)
+
+    with threadpool_limits(limits=2, user_api="blas"):
+        assert blas_threads() == {2}
+        AsyncServer(small_config(), LocalTransport(client), Store(f"sqlite:///{tmp_path / 'b'}.db")).run()
+        after = blas_threads()
+    assert seen and all(s == {1} for s in seen)
+    assert after == {2}

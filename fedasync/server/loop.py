@@ -48,15 +48,15 @@ from fedasync.config import Config
 from fedasync.server import resume
 from fedasync.server.clock import VirtualClock, WallClock, make_profiles, task_duration
 from fedasync.server.control import ROUND_CLOSED, StopControl, cancel_dropped, no_task_reason
-from fedasync.server.records import Digests, as_int, replay_row, update_row
+from fedasync.server.records import Digests, replay_row, update_row
 from fedasync.server.idle import IdleClients
-from fedasync.server.params import Tail
+from fedasync.server.params import Tail, one_blas_thread
 from fedasync.server.policy import Policies
 from fedasync.server.retention import Retention
 from fedasync.server.strategies import Update, make_strategy, params_sha256
 from fedasync.server.summary import build_summary, progress_event
 from fedasync.server.transport import Live, Reply, TaskMsg, Transport, client_setup_json, task_seed
-from fedasync.server.validation import UpdateValidator
+from fedasync.server.validation import UpdateValidator, num_examples_of
 from fedasync.store import Store
 
 log = logging.getLogger("fedasync")
@@ -162,7 +162,7 @@ class AsyncServer:
     # -- main --------------------------------------------------------------------------
     def run(self) -> dict:
         try:
-            with self.stop.signals():
+            with self.stop.signals(), one_blas_thread():
                 return self._run()
         finally:
             self.digests.close()
@@ -426,7 +426,7 @@ class AsyncServer:
         s = self.version - t.base_version
         if not isinstance(reply.metrics, dict):  # a malformed reply must not stop the run
             reply.metrics = {}
-        num_examples = max(0, as_int(reply.metrics.get("num_examples", 0)) or 0)
+        num_examples = num_examples_of(reply.metrics)  # the weight the signature covers
         base = self.base_cache.get(t.base_version)  # None: a cancelled backup's late reply
         reason = self.validator.check(reply, t, s, run_id=self.run_id, base=base) if base else ROUND_CLOSED
         if reason is None and t.timed_out and self.cfg.server.late_policy == "reject":

@@ -8,9 +8,20 @@ from collections import deque
 from typing import Iterable
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 Params = dict[str, np.ndarray]
 Params64 = dict[str, np.ndarray]  # the same keys, float64 arrays
+
+
+def one_blas_thread() -> threadpool_limits:
+    """A context in which numpy's BLAS (OpenBLAS) runs on one thread. The server's vector
+    products (the finiteness check, the robust filters' norms and dot products) gain nothing from
+    more: they are bound by memory, not arithmetic. But OpenBLAS's extra threads keep spinning after
+    each call, taking cores from the clients the same process or machine trains (a kardam run of
+    ``examples/mnist.yaml`` spent 21 s more CPU for it), and the thread count changes how a sum is
+    split, so a filter's score would depend on the machine's core count."""
+    return threadpool_limits(limits=1, user_api="blas")
 
 
 def _check_like(a: Params, b: Params, what: str = "parameters") -> None:
