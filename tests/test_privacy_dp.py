@@ -357,3 +357,13 @@ def test_the_proximal_term_is_added_after_clipping_and_noise(digits, mode):
     for k in p0:
         np.testing.assert_allclose(r.params[k], p0[k] + shrink * v[k], atol=1e-5)
     assert hook.history == [(0.0, sample_rate_for(len(y), 16), steps)]  # the same steps accounted: no extra cost
+
+
+def test_a_device_without_a_state_dir_refuses_to_train(digits):
+    # a real device (the task carries only the server's record) must keep its own accountant:
+    # the server's record misses the tasks whose replies it never took
+    conf = _pconf(state_key="run1-client0")
+    del conf["history"]
+    conf["server_history"] = []
+    with pytest.raises(PrivacyError, match="privacy-state-dir"):
+        _task(digits, conf)

@@ -291,3 +291,149 @@ def test_plan_prints_groups_and_the_central_assumption():
     assert off.exit_code == 2 and "nothing to plan" in off.output
     low = runner.invoke(app, ["privacy", "plan", path, "--set", "privacy.local_dp.epsilon=0.0001"])
     assert low.exit_code == 2 and "cannot calibrate noise" in low.output
+
+
+def _run_with(sets, tmp_path, client):
+    """A DP run whose clients are ``client(params, config)`` (in-process); (summary, store)."""
+    from fedasync.server.loop import AsyncServer
+    from fedasync.server.transport import LocalTransport
+
+    store = Store(f"sqlite:///{tmp_path / 'fedasync.db'}")
+    return AsyncServer(load_config(None, sets), LocalTransport(client), store).run(), store
+
+
+def _trained_steps():
+    """A client that notes the DP-SGD steps of every task it really trained: task -> (client, steps)."""
+    from fedasync.clients.runner import handle_train
+
+    steps: dict[int, tuple[int, int]] = {}
+
+    def client(params, config):
+        out = handle_train(params, config)
+        if out.get("params") is not None:
+            steps[int(config["task_id"])] = (int(config["client_id"]), int(out["metrics"]["dp_steps"]))
+        return out
+    return steps, client
+
+
+def _taken(store, run_id, trained) -> dict[int, int]:
+    """Per client, the steps of the trained tasks whose replies the server took (a simulated run's
+    tasks still in flight at its end are not: a resume sends them again)."""
+    out: dict[int, int] = {}
+    for u in store.updates(run_id):
+        c, n = trained[u.task_id]
+        out[c] = out.get(c, 0) + n
+    return out
+
+
+def _recorded_steps(store, run_id) -> dict[int, int]:
+    return {c.client_id: sum(e[2] for e in json.loads(c.accountant_state)["history"])
+            for c in store.clients(run_id) if c.accountant_state}
+
+
+def test_cancelled_backups_are_accounted_under_the_virtual_clock(tmp_path):
+    # synchronous FedAvg, 2 of 4 clients per round and 2 backups: every round cancels two tasks
+    # whose clients trained all the same; their next task must start from a record that has them
+    steps, client = _trained_steps()
+    sets = [s for s in SMALL if not s.startswith(("server.strategy", "server.buffer_size"))] + [
+        "server.strategy=fedavg", "server.clients_per_round=2", "server.backup_workers=2"]
+    summary, store = _run_with(sets, tmp_path, client)
+    assert summary["stop_reason"] == "no_client_can_train"
+    assert summary["rejections"].get("round_closed", 0) > 0  # the backups' replies, taken for their spend
+    assert sorted(steps) == sorted(u.task_id for u in store.updates(summary["run_id"]))  # all taken
+    assert _recorded_steps(store, summary["run_id"]) == _taken(store, summary["run_id"], steps)
+    for c in store.clients(summary["run_id"]):
+        assert c.epsilon <= BUDGET[c.client_id]
+        assert _taken(store, summary["run_id"], steps)[c.client_id] == 3 * 3  # 3 planned tasks, backups included
+    store.close()
+
+
+def test_a_device_that_starts_from_an_older_record_cannot_shrink_the_servers(tmp_path):
+    # client 0 forgets its history before every task (a device whose record was lost): the server
+    # composes its record with each task's steps instead of taking the device's shorter history
+    steps, counting = _trained_steps()
+
+    def client(params, config):
+        if config["client_id"] == 0 and config.get("privacy", {}).get("history"):
+            config = dict(config, privacy=dict(config["privacy"], history=[]))
+        return counting(params, config)
+
+    summary, store = _run_with(SMALL + ["server.max_versions=7"], tmp_path, client)
+    taken = _taken(store, summary["run_id"], steps)
+    assert taken[0] > 3  # it trained more than one task
+    assert _recorded_steps(store, summary["run_id"]) == taken
+    store.close()
+
+
+@pytest.mark.parametrize("corrupt,reason", [
+    (lambda m: m.pop("noise_multiplier"), "privacy_accounting"),
+    (lambda m: m.update(accountant_history=[[1.0, 0.5]]), "privacy_accounting"),
+    (lambda m: m.pop("accountant_history"), "privacy_accounting"),
+    (lambda m: m.update(accountant_history=[[m["noise_multiplier"], m["sample_rate"], 10_000]]), "over_budget"),
+])
+def test_a_reply_with_bad_privacy_accounting_is_rejected_and_still_charged(tmp_path, corrupt, reason):
+    from fedasync.clients.runner import handle_train
+
+    def client(params, config):
+        out = handle_train(params, config)
+        if config["task_id"] == 2 and out.get("params") is not None:
+            corrupt(out["metrics"])
+        return out
+
+    summary, store = _run_with(SMALL + ["server.max_versions=3"], tmp_path, client)
+    assert summary["stop_reason"] == "max_versions"  # the run goes on
+    bad = [u for u in store.updates(summary["run_id"]) if u.task_id == 2]
+    assert len(bad) == 1 and not bad[0].accepted and bad[0].reason == reason
+    spend = [r for r in store.privacy_spend(summary["run_id"]) if r.task_id == 2]
+    assert len(spend) == 1 and spend[0].steps == 3  # the task's own steps (its planned ones when unreadable)
+    client_id = bad[0].client_id
+    recorded = _recorded_steps(store, summary["run_id"])[client_id]
+    assert recorded >= (10_000 if reason == "over_budget" else 3)  # charged: the planned task at least
+    store.close()
+
+
+def test_the_device_accountant_file_is_named_after_the_run_as_stored(tmp_path):
+    # a resume may rename the config; the device must find the same accountant file
+    from fedasync.privacy.tracker import PrivacyTracker
+
+    store = Store(f"sqlite:///{tmp_path / 'fedasync.db'}")
+    run_id = store.create_run("first-name", "fedbuff", 0, "{}", "deployment")
+    renamed = load_config(None, [s for s in SECRET if not s.startswith("name=")] + ["name=second-name"])
+    conf = PrivacyTracker(renamed, store, run_id, strategy=None, resumed=True).client_config(1)
+    assert conf["state_key"] == f"first-name-run{run_id}-client1" and "history" not in conf
+    store.close()
+
+
+def test_a_stop_between_a_rounds_close_and_its_backups_cancel_loses_no_spend(tmp_path):
+    # local DP, synchronous FedAvg with backups: an abrupt stop (a second Ctrl-C: what the step
+    # wrote so far is committed) after the version that closes a round, before its backups are
+    # cancelled; the resume resends them and takes their replies for their spend, as the
+    # uninterrupted run did
+    from fedasync.server.loop import AsyncServer
+    from fedasync.server.transport import LocalTransport
+
+    sets = [s for s in SMALL if not s.startswith(("server.strategy", "server.buffer_size"))] + [
+        "server.strategy=fedavg", "server.clients_per_round=2", "server.backup_workers=2", "server.max_versions=2"]
+    cfg = load_config(None, sets)
+    ref_store = Store(f"sqlite:///{tmp_path / 'ref.db'}")
+    ref = AsyncServer(cfg, LocalTransport(), ref_store).run()
+    store = Store(f"sqlite:///{tmp_path / 'stop.db'}")
+    orig = store.set_dispatch_status
+
+    def set_status(run_id, task_id, status, *a, **k):
+        if status == "cancelled" and a and a[0] == "round_closed":
+            store.set_dispatch_status = orig
+            raise KeyboardInterrupt
+        return orig(run_id, task_id, status, *a, **k)
+
+    store.set_dispatch_status = set_status
+    stopped = AsyncServer(cfg, LocalTransport(), store).run()
+    assert stopped["stop_reason"] == "interrupted" and stopped["versions"] == 1
+    resumed = AsyncServer(cfg, LocalTransport(), store, resume_run_id=stopped["run_id"]).run()
+    assert resumed["model_sha256"] == ref["model_sha256"] and resumed["rejections"] == ref["rejections"]
+    assert ref["rejections"].get("round_closed", 0) > 0
+
+    def accounts(st, run_id):
+        return {c.client_id: (c.accountant_state, c.tasks_done) for c in st.clients(run_id)}
+    assert accounts(store, stopped["run_id"]) == accounts(ref_store, ref["run_id"])
+    store.close(), ref_store.close()

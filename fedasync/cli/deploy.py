@@ -86,6 +86,12 @@ def certs_gen(
 # -- fedasync client --------------------------------------------------------------------
 
 
+def default_privacy_state_dir() -> Path:
+    """Where ``fedasync client`` keeps a device's DP accountants unless told otherwise."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "fedasync" / "privacy"
+
+
 def client(
     superlink: str = typer.Option(..., "--superlink", help="The SuperLink's HOST:PORT."),
     partition_id: int = typer.Option(..., "--partition-id", help="This device's client id (0..N-1)."),
@@ -103,7 +109,9 @@ def client(
                                        "machine; Flower's default 9094)."),
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda or mps (overrides train.device)."),
     privacy_state_dir: Optional[Path] = typer.Option(None, "--privacy-state-dir",
-                                                     help="Where this device keeps its DP accountant."),
+                                                     help="Where this device keeps its DP accountant (default: "
+                                                     "$XDG_STATE_HOME/fedasync/privacy, else "
+                                                     "~/.local/state/fedasync/privacy)."),
     max_wait_time: Optional[float] = typer.Option(None, "--max-wait-time",
                                                   help="Give up after this many seconds without the SuperLink."),
     poll_interval: float = typer.Option(1.0, "--poll-interval", help="Seconds between the SuperNode's requests "
@@ -146,6 +154,10 @@ def client(
             load_private_key(signing_key)
         except SigningKeyError as e:
             fail(f"--signing-key: {e}")
+    if privacy_state_dir is None:  # a DP device must keep its own accountant (fedasync.privacy.dp)
+        privacy_state_dir = default_privacy_state_dir()
+    if privacy_state_dir.exists() and not privacy_state_dir.is_dir():
+        fail(f"--privacy-state-dir: {privacy_state_dir} is not a directory")
     if device is not None and device not in ("auto", "cpu", "cuda", "mps"):
         fail(f"--device: {device!r} is not one of auto, cpu, cuda, mps")
     if port is not None and not 0 < port < 65536:
@@ -157,7 +169,8 @@ def client(
         fail(str(e), e.code)
     err_console.print(f"fedasync client {partition_id}/{num_partitions}: starting flower-supernode "
                       f"(SuperLink {superlink}, poll every {poll_interval:g} s, "
-                      f"{'warm trainer' if warm else 'a flwr-clientapp process per message'})", highlight=False)
+                      f"{'warm trainer' if warm else 'a flwr-clientapp process per message'}; "
+                      f"DP accountants in {privacy_state_dir})", highlight=False)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(cmd[0], cmd, child_env())

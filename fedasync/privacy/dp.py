@@ -314,8 +314,10 @@ def resolve_history(pconf: dict, state_dir: str | None) -> tuple[list, Path | No
     if pconf.get("history") is not None:  # simulation: the server's store keeps the state
         return as_history(pconf["history"]), None
     server = as_history(pconf.get("server_history"))
-    if not state_dir:
-        return server, None
+    if not state_dir:  # the server's record misses what it never took (a crash, a cancelled backup's reply)
+        raise PrivacyError("privacy: this device keeps no DP accountant of its own; start it with "
+                           "--privacy-state-dir DIR (node config privacy-state-dir): the server's record "
+                           "alone misses the tasks whose replies it never took, and cannot enforce the budget")
     path = _state_file(state_dir, str(pconf.get("state_key", "client")))
     local = load_state_file(path, accountant)
     if history_steps(server) > history_steps(local):

@@ -6,7 +6,7 @@ The server loop (``server/loop.py``) builds one :class:`PrivacyTracker` per run 
 * adds :meth:`PrivacyTracker.client_config` to every task (under ``"privacy"``): the client's
   budget, noise multiplier, clipping norm, accountant, ``grad_sample_mode``, ``secure_mode``,
   ``reproducible_noise``, ``report_loss``, the number of records the server planned it with
-  (echoed back as ``num_examples``) and, in simulation, its accountant history so far (the
+  (echoed back as ``num_examples``) and, in simulation or a server-less run, its accountant history (the
   store keeps it; a real device keeps its own in a local file and gets the server's record only
   as a floor);
 * records :meth:`PrivacyTracker.on_reply` (a ``privacy_spend`` row and the client's new
@@ -44,6 +44,8 @@ from fedasync.privacy.budgets import (
     central_epsilon,
     central_sample_rate,
     delta_warnings,
+    epsilon_of,
+    extend_history,
     history_json,
     history_steps,
     plan_clients,
@@ -107,9 +109,10 @@ class PrivacyTracker:
         self.central = cfg.privacy.central_dp if cfg.privacy.central_dp.enabled else None
         check_runnable(cfg)
         try:
-            self.mode = store.get_run(run_id).mode
+            run = store.get_run(run_id)
+            self.mode, self.run_name = run.mode, run.name
         except Exception:  # pragma: no cover - a store without the run row
-            self.mode = "simulation"
+            self.mode, self.run_name = "simulation", cfg.name
         if self.mode == "deployment" and cfg.privacy.reproducible_noise:
             from fedasync.privacy import REPRODUCIBLE_REFUSED
 
@@ -131,6 +134,7 @@ class PrivacyTracker:
                 self.tasks_done[row.client_id] = int(row.tasks_done or 0)
         self.central_dp = None
         self._central_seen = 0
+        self._memo: tuple = (None, None)  # _spend's last (key, result)
         self._central_eps = 0.0
         if self.central is not None:
             self.central_dp = getattr(strategy, "central_dp", None)
@@ -190,46 +194,88 @@ class PrivacyTracker:
             "num_examples": p.num_examples,  # the server's plan: what the reply reports back
         }
         hist = history_json(self.history[client_id])
-        if self.mode == "simulation":
+        if self.mode != "deployment":  # simulation, ledger, gossip: the store is the client's own record
             conf["history"] = hist
         else:  # a real device keeps its own accountant; the server's record is a floor
             conf["server_history"] = hist
-            conf["state_key"] = f"{self.cfg.name}-run{self.run_id}-client{client_id}"
+            # the run's name as stored when it was made: a resume may rename the config, and the
+            # device must keep the same accountant file
+            conf["state_key"] = f"{self.run_name}-run{self.run_id}-client{client_id}"
         return conf
 
     # -- what a reply records ----------------------------------------------------------------
+    def _spend(self, client_id: int, metrics: Any) -> dict:
+        """What a local-DP reply spent, parsed and checked before anything changes (memoized for
+        the reply at hand: the loop asks :meth:`check_reply` first, then :meth:`on_reply`).
+
+        The server's record of a client only grows: it is the record before this task composed
+        with this task's ``(noise_multiplier, sample_rate, dp_steps)``, or the device's own history
+        when that holds at least as many steps (a device with a state file knows of tasks the
+        server lost). A device that started from an older record (a task that overlapped another
+        one of the same client, a record lost in a crash) reports a history that misses steps: the
+        composition keeps them. A reply whose accounting is missing or malformed is charged the
+        task the server planned and rejected (``privacy_accounting``); one whose epsilon is over
+        the client's budget is rejected (``over_budget``): its spend is recorded all the same."""
+        key = (client_id, id(metrics))
+        if self._memo[0] == key:
+            return self._memo[1]
+        plan, dp = self.plans[client_id], self.cfg.privacy.local_dp
+        prior = self.history[client_id]
+        reason, reported, eps = None, None, None
+        try:
+            m = metrics if isinstance(metrics, dict) else {}
+            sigma, q, steps = float(m["noise_multiplier"]), float(m["sample_rate"]), int(m["dp_steps"])
+            reported, eps = as_history(m["accountant_history"]), float(m["epsilon"])
+            if not (math.isfinite(sigma) and sigma >= 0 and 0 < q <= 1 and steps >= 0 and eps >= 0):
+                raise ValueError("out of range")
+        except (KeyError, TypeError, ValueError, OverflowError) as e:  # PrivacyError is a ValueError
+            log.error("client %d replied without valid privacy accounting in a DP run (%s: %s): charged the "
+                      "task the server planned, update rejected", client_id, type(e).__name__, e)
+            reason, reported = "privacy_accounting", None
+            sigma, q, steps = plan.noise_multiplier, plan.sample_rate, plan.steps
+        composed = extend_history(prior, sigma, q, steps, dp.accountant)
+        if reported is not None and history_steps(reported) >= history_steps(composed):
+            hist = reported  # the device's own record: this task and at least all the server knows
+            if dp.accountant == "rdp":  # cheap (cached per (sigma, q)): the server's own figure, not the device's
+                eps = epsilon_of(hist, plan.budget.delta, dp.accountant)
+        else:
+            if reported is not None:
+                log.warning("client %d's accountant history has %d steps, the server's record plus this task %d: "
+                            "recorded the composition", client_id, history_steps(reported), history_steps(composed))
+            hist, eps = composed, epsilon_of(composed, plan.budget.delta, dp.accountant)
+        budget = plan.budget.epsilon
+        if reason is None and budget is not None and eps > budget:
+            log.error("client %d reports epsilon %.6g over its budget %.6g: update rejected", client_id, eps, budget)
+            reason = "over_budget"
+        spend = {"history": hist, "epsilon": eps, "reason": reason, "row": {
+            "client_id": client_id, "accountant": dp.accountant, "noise_multiplier": sigma, "sample_rate": q,
+            "steps": steps, "epsilon": eps, "delta": plan.budget.delta}}
+        self._memo = (key, spend)
+        return spend
+
+    def check_reply(self, client_id: int, metrics: Any) -> str | None:
+        """Why a reply's update must be rejected on privacy grounds (``privacy_accounting``,
+        ``over_budget``), or None; changes nothing (see :meth:`_spend`)."""
+        return self._spend(client_id, metrics)["reason"] if self.local else None
+
     def on_reply(self, client_id: int, task_id: int, metrics: dict) -> tuple[dict | list[dict] | None, dict | None]:
+        """Record a reply's spend (accepted or rejected): the ``privacy_spend`` row(s) and the
+        client's new ``clients`` state, for the reply's transaction."""
         rows: list[dict] = []
         state = None
         if self.local:
-            hist, eps = metrics.get("accountant_history"), metrics.get("epsilon")
-            if hist is None or eps is None:
-                log.error("task %d: client %d replied without privacy accounting in a DP run", task_id, client_id)
-            else:
-                hist = as_history(hist)
-                eps = float(eps)
-                grew = history_steps(hist) - history_steps(self.history[client_id])
-                if grew != int(metrics.get("dp_steps", -1)):
-                    log.warning("task %d: client %d's accountant grew by %d steps, it reports %s", task_id,
-                                client_id, grew, metrics.get("dp_steps"))
-                budget = self.plans[client_id].budget.epsilon
-                if budget is not None and eps > budget:
-                    log.error("task %d: client %d reports epsilon %.6g over its budget %.6g", task_id, client_id,
-                              eps, budget)
-                self.history[client_id] = hist
-                self.eps[client_id] = eps
-                self.tasks_done[client_id] += 1
-                rows.append({
-                    "client_id": client_id, "accountant": str(metrics.get("accountant", self.cfg.privacy.local_dp.accountant)),
-                    "noise_multiplier": float(metrics["noise_multiplier"]), "sample_rate": float(metrics["sample_rate"]),
-                    "steps": int(metrics["dp_steps"]), "epsilon": eps, "delta": float(metrics["delta"]),
-                })
-                state = {
-                    "accountant_state": json.dumps({"accountant": self.cfg.privacy.local_dp.accountant,
-                                                    "history": history_json(hist)}),
-                    "epsilon": eps,
-                    "tasks_done": self.tasks_done[client_id],
-                }
+            spend = self._spend(client_id, metrics)
+            self._memo = (None, None)
+            self.history[client_id] = spend["history"]
+            self.eps[client_id] = spend["epsilon"]
+            self.tasks_done[client_id] += 1
+            rows.append(spend["row"])
+            state = {
+                "accountant_state": json.dumps({"accountant": self.cfg.privacy.local_dp.accountant,
+                                                "history": history_json(spend["history"])}),
+                "epsilon": spend["epsilon"],
+                "tasks_done": self.tasks_done[client_id],
+            }
         if self.central_dp is not None and self.central_dp.releases > self._central_seen:
             new = int(self.central_dp.releases) - self._central_seen
             self._central_seen = int(self.central_dp.releases)

@@ -111,16 +111,24 @@ def cancel_dropped(srv: "AsyncServer") -> list[int]:
     on the new model. Under the wall clock a late reply of such a task is still pulled and rejected
     as ``round_closed`` without occupying a slot; under the virtual clock it is never taken.
     Every live task of a synchronous run whose base is not the current version is such a task (a
-    round's tasks all carry its version), which is also how resume finds them after a crash."""
+    round's tasks all carry its version), which is also how resume finds them after a crash.
+
+    Under local DP a backup's client trained all the same, and its next task carries the privacy
+    record that composes its budget: so under the virtual clock the loop waits for the cancelled
+    tasks' replies here and takes them (rejected ``round_closed``, their spend recorded) before any
+    of their clients is sent another task (under the wall clock the late reply records it)."""
     if not srv.strategy.synchronous:
         return []
     dropped = sorted(tid for tid, t in srv.live.items() if t.base_version != srv.version)
+    spent = srv.virtual and srv.privacy is not None and srv.privacy.local
+    if spent:
+        srv._wait_for(dropped)
     late = []
     for tid in dropped:
         t = srv.live.pop(tid)
         reply = srv.arrived.pop(tid, None)
         srv.store.set_dispatch_status(srv.run_id, tid, "cancelled", ROUND_CLOSED)
-        if not srv.virtual and reply is not None:  # already pulled, behind the round's m-th reply
+        if (spent or not srv.virtual) and reply is not None:  # already pulled, behind the round's m-th reply
             late.append((t, reply))
         elif not srv.virtual and t.message_id is not None:
             srv.cancelled[t.message_id] = t

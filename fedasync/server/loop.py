@@ -1,9 +1,8 @@
 """The asynchronous server loop: dispatch, take replies, validate, aggregate, record, evaluate.
 
-It talks to clients through a :class:`~fedasync.server.transport.Transport` (Flower's Grid in
-``server/app.py``; ``LocalTransport`` runs the client code in-process) and to the database
-through :class:`fedasync.store.Store`; it imports no Flower. Around it: ``transport.py``,
-``resume.py`` (crash safety), ``records.py`` (a reply's rows), ``control.py``, ``summary.py``.
+It talks to clients through a ``Transport`` (Flower's Grid in ``server/app.py``; ``LocalTransport``
+runs clients in-process), to the database through ``Store``; it imports no Flower. Around it:
+``transport.py``, ``resume.py`` (crash safety), ``records.py``, ``control.py``, ``summary.py``.
 
 Semantics (see docs in README "How the asynchronous loop works"):
 
@@ -20,10 +19,9 @@ Semantics (see docs in README "How the asynchronous loop works"):
   callable (clients that have a node now); while no client is available the server waits up to
   ``deploy.node_discovery_timeout`` seconds.
 * **Failures never stop the run**: a task that errors, cannot be pushed or exceeds
-  ``server.task_timeout`` is recorded (``failed`` / ``timeout``) and its slot goes to another
-  client; a reply after the timeout follows ``server.late_policy`` (``reject``: recorded as
-  ``late``; ``accept``: taken, with its staleness). A reply that matches no open task is
-  rejected as ``replay`` and recorded in the ``replays`` table.
+  ``server.task_timeout`` is recorded (``failed`` / ``timeout``), its slot goes to another client;
+  a reply after the timeout follows ``server.late_policy`` (``reject``: recorded ``late``;
+  ``accept``: taken, with its staleness); one that matches no open task is a ``replay``.
 * **Crash safety** (``resume.py``): every batch of dispatches is committed with the loop state
   and every reply with the version it produced (``Store.record_reply``). On resume the tasks in
   flight (or cancelled by a stop) are sent again, under the virtual clock exactly as they were
@@ -31,8 +29,7 @@ Semantics (see docs in README "How the asynchronous loop works"):
   to the first new tasks' clients. SIGINT/SIGTERM stop after the reply being handled (a second
   at once); in deployment, so does a store status of ``stopping`` (``fedasync server``'s Ctrl-C).
 * Each taken reply is validated, handed to the strategy and recorded in one transaction with
-  the model version it produced. Evaluation runs every ``eval_every`` versions and at the end,
-  of the latest version or the mean of the last ``server.average_last`` (``params.Tail``).
+  the model version it produced. Evaluation: every ``eval_every`` versions and at the end.
 """
 
 from __future__ import annotations
@@ -171,6 +168,7 @@ class AsyncServer:
     def _run(self) -> dict:
         if self._resend:
             self._send_and_record(*resume.resend_tasks(self), loop_state=None)
+            cancel_dropped(self)  # backups of a closed round resent for their DP spend (resume.restore)
         if self.version % self.cfg.server.eval_every == 0 and (
                 not self.history or self.history[-1]["version"] != self.version):
             self._evaluate()  # v0, or a resumed run killed between a version and its evaluation
@@ -429,6 +427,8 @@ class AsyncServer:
         num_examples = num_examples_of(reply.metrics)  # the weight the signature covers
         base = self.base_cache.get(t.base_version)  # None: a cancelled backup's late reply
         reason = self.validator.check(reply, t, s, run_id=self.run_id, base=base) if base else ROUND_CLOSED
+        if reason is None and self.privacy is not None:  # a DP reply's accounting, checked before anything changes
+            reason = self.privacy.check_reply(t.client_id, reply.metrics)
         if reason is None and t.timed_out and self.cfg.server.late_policy == "reject":
             reason = "late"
         upd = None

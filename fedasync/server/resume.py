@@ -102,7 +102,9 @@ def restore(srv: AsyncServer, run_id: int) -> None:
     pending = [d for d in store.dispatches(run_id)
                if (d.status in RESEND and d.error != ROUND_CLOSED)
                or (d.status == "timeout" and d.task_id not in replied)]
-    if srv.strategy.synchronous:  # killed between a round's close and the cancelling of its backups
+    if srv.strategy.synchronous and not (srv.virtual and srv.cfg.privacy.local_dp.enabled):
+        # killed between a round's close and the cancelling of its backups (under local DP they are
+        # resent, and cancel_dropped takes their replies for their spend, as the run would have)
         for d in [d for d in pending if d.base_version != srv.version]:
             store.set_dispatch_status(run_id, d.task_id, "cancelled", ROUND_CLOSED)
             pending.remove(d)
