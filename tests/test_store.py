@@ -144,6 +144,207 @@ def test_a_store_made_before_migrations_is_stamped_and_upgraded(url):
     engine.dispose()
 
 
+def _legacy_metadata(node_id_type, serverless: bool = False):
+    """The tables as the code before migrations made them with ``create_all`` (copied from
+    fedasync/store/schema.py and serverless_schema.py at f9ab1b8, 74dbad9 and e0aee4a, not
+    imported): no ``updates.pending_params``; ``node_id`` BIGINT at f9ab1b8 (fedasync 0.1.0),
+    VARCHAR(24) from 74dbad9; the server-less tables once a ledger/gossip command had run."""
+    from sqlalchemy import (BigInteger, Boolean, Column, Float, ForeignKey, Index, Integer, LargeBinary,
+                            MetaData, String, Table, Text, UniqueConstraint)
+
+    md = MetaData()
+
+    def c(name, type_, null=False, **kw):
+        return Column(name, type_, nullable=null, **kw)
+
+    def ident():
+        return Column("id", Integer, primary_key=True, autoincrement=True)
+
+    def run_fk(pk=False):
+        return Column("run_id", ForeignKey("runs.id", ondelete="CASCADE"), primary_key=pk, nullable=False)
+
+    Table("runs", md, ident(), c("name", String(200)), c("strategy", String(40)), c("mode", String(20)),
+          c("seed", Integer), c("config_yaml", Text), c("status", String(20)), c("stop_reason", String(200), True),
+          c("created_wall", Float), c("finished_wall", Float, True), c("current_version", Integer),
+          c("next_task_id", Integer), c("virtual_time", Float), c("loop_state", Text, True),
+          c("summary_json", Text, True))
+    Table("clients", md, run_fk(True), Column("client_id", Integer, primary_key=True),
+          c("profile_json", Text, True), c("node_id", node_id_type, True), c("public_key", Text, True),
+          c("exhausted", Boolean), c("exhausted_reason", String(200), True), c("accountant_state", Text, True),
+          c("epsilon", Float, True), c("tasks_done", Integer))
+    Table("dispatches", md, ident(), run_fk(), c("task_id", Integer), c("client_id", Integer),
+          c("node_id", node_id_type, True), c("message_id", String(100), True), c("base_version", Integer),
+          c("sent_virtual", Float), c("finish_virtual", Float, True), c("sent_wall", Float),
+          c("done_wall", Float, True), c("status", String(20)), c("error", Text, True),
+          UniqueConstraint("run_id", "task_id"), Index("ix_dispatch_status", "run_id", "status"))
+    Table("updates", md, ident(), run_fk(), c("task_id", Integer), c("client_id", Integer),
+          c("base_version", Integer), c("version_at_arrival", Integer), c("staleness", Integer),
+          c("weight", Float, True), c("num_examples", Integer, True), c("loss", Float, True),
+          c("epsilon", Float, True), c("params_sha256", String(64), True), c("accepted", Boolean),
+          c("reason", String(100), True), c("applied_in_version", Integer, True), c("received_virtual", Float),
+          c("received_wall", Float), UniqueConstraint("run_id", "task_id"))
+    Table("model_versions", md, run_fk(True), Column("version", Integer, primary_key=True),
+          c("parent", Integer, True), c("sha256", String(64)), c("parameters", LargeBinary, True),
+          c("num_updates", Integer), c("created_virtual", Float), c("created_wall", Float),
+          c("accuracy", Float, True), c("loss", Float, True))
+    Table("privacy_spend", md, ident(), run_fk(), c("client_id", Integer), c("task_id", Integer, True),
+          c("accountant", String(10)), c("noise_multiplier", Float), c("sample_rate", Float), c("steps", Integer),
+          c("epsilon", Float), c("delta", Float), c("recorded_wall", Float))
+    if serverless:
+        Table("serverless_runs", md, run_fk(True), c("kind", String(10)), c("num_peers", Integer),
+              c("topology", String(20), True), c("settings_json", Text), c("clock", String(10)),
+              c("started_wall", Float, True))
+        Table("serverless_peers", md, run_fk(True), Column("peer_id", Integer, primary_key=True),
+              c("public_key", String(64), True), c("host", String(200), True), c("pid", Integer, True),
+              c("ready_wall", Float), c("finished_wall", Float, True), c("stop_reason", String(200), True),
+              c("stats_json", Text, True))
+        Table("ledger_payloads", md, Column("sha256", String(64), primary_key=True), c("data", LargeBinary),
+              c("size", Integer))
+        Table("ledger_blocks", md, ident(), run_fk(), c("height", Integer), c("prev_hash", String(64)),
+              c("hash", String(64)), c("kind", String(10)), c("payload_sha256", String(64)), c("meta_json", Text),
+              c("public_key", String(64)), c("signature", String(128)), c("created", Float),
+              c("created_wall", Float), c("peer_id", Integer, True),
+              UniqueConstraint("run_id", "height", name="uq_ledger_blocks_run_height"),
+              Index("ix_ledger_blocks_run_kind", "run_id", "kind"))
+        Table("ledger_evals", md, run_fk(True), Column("height", Integer, primary_key=True),
+              c("model_index", Integer), c("accuracy", Float), c("loss", Float), c("evaluated_wall", Float))
+        Table("gossip_models", md, ident(), run_fk(), c("peer_id", Integer), c("version", Integer),
+              c("steps", Integer), c("params", LargeBinary), c("sha256", String(64)), c("updated_virtual", Float),
+              c("updated_wall", Float), c("exhausted", Boolean), c("exhausted_reason", String(200), True),
+              c("epsilon", Float, True), UniqueConstraint("run_id", "peer_id", name="uq_gossip_models_run_peer"))
+        Table("gossip_events", md, ident(), run_fk(), c("peer_id", Integer), c("neighbour_id", Integer),
+              c("step", Integer), c("peer_version", Integer), c("neighbour_version", Integer),
+              c("base_version", Integer), c("sha256", String(64)), c("loss", Float, True),
+              c("epsilon", Float, True), c("virtual_time", Float), c("wall_time", Float),
+              Index("ix_gossip_events_run", "run_id", "id"))
+        Table("gossip_metrics", md, ident(), run_fk(), c("events", Integer), c("time_s", Float),
+              c("accuracy", Float), c("loss", Float), c("min_accuracy", Float), c("max_accuracy", Float),
+              c("consensus_distance", Float), c("recorded_wall", Float))
+    return md
+
+
+def _legacy_store(url: str, node_id_type, serverless: bool = False, edit=None) -> None:
+    """A store as the code before migrations left it: its tables (``edit`` may change them first)
+    and a finished run with a client, a dispatch, its update and two versions."""
+    md = _legacy_metadata(node_id_type, serverless)
+    if edit:
+        edit(md)
+    engine = create_engine(url)
+    md.create_all(engine)
+    t = md.tables
+    node = 123456789 if node_id_type.__class__.__name__ == "BigInteger" else "123456789"
+    with engine.begin() as conn:
+        conn.execute(t["runs"].insert(), dict(name="old", strategy="fedbuff", mode="simulation", seed=0,
+                                              config_yaml="x: 1\n", status="finished", created_wall=1.0,
+                                              current_version=1, next_task_id=1, virtual_time=2.0))
+        conn.execute(t["clients"].insert(), dict(run_id=1, client_id=0, node_id=node, exhausted=False, tasks_done=1))
+        conn.execute(t["dispatches"].insert(), dict(run_id=1, task_id=0, client_id=0, node_id=node, base_version=0,
+                                                    sent_virtual=0.0, sent_wall=1.0, status="replied"))
+        conn.execute(t["updates"].insert(), dict(run_id=1, task_id=0, client_id=0, base_version=0,
+                                                 version_at_arrival=0, staleness=0, accepted=True,
+                                                 applied_in_version=1, received_virtual=1.0, received_wall=1.5))
+        for v in (0, 1):
+            conn.execute(t["model_versions"].insert(), dict(run_id=1, version=v, sha256=str(v) * 64, num_updates=v,
+                                                            parameters=encode_params(PARAMS),
+                                                            created_virtual=float(v), created_wall=1.0))
+        if serverless:
+            conn.execute(t["runs"].insert(), dict(name="g", strategy="gossip", mode="gossip", seed=0,
+                                                  config_yaml="x: 1\n", status="finished", created_wall=1.0,
+                                                  current_version=0, next_task_id=0, virtual_time=0.0))
+            conn.execute(t["serverless_runs"].insert(), dict(run_id=2, kind="gossip", num_peers=2,
+                                                             settings_json="{}", clock="wall"))
+            conn.execute(t["ledger_payloads"].insert(), dict(sha256="a" * 64, data=b"xyz", size=3))
+    engine.dispose()
+
+
+def _short_run(store: Store) -> dict:
+    """A fedbuff run (its buffer keeps pending updates in updates.pending_params)."""
+    from fedasync.config import config_from_dict
+    from fedasync.server.loop import AsyncServer
+    from fedasync.server.transport import LocalTransport
+
+    cfg = config_from_dict({"seed": 2, "data": {"num_clients": 6, "partitioner": "iid"},
+                            "model": {"hidden": 8}, "train": {"local_steps": 2, "batch_size": 8},
+                            "server": {"strategy": "fedbuff", "concurrency": 3, "buffer_size": 2, "max_versions": 3}})
+    return AsyncServer(cfg, LocalTransport(), store).run()
+
+
+@pytest.mark.parametrize("node_id", ["bigint", "text"])
+def test_a_real_store_made_before_migrations_is_repaired_stamped_and_runs(url, node_id):
+    """The code before migrations had no updates.pending_params (and BIGINT node ids at 0.1.0):
+    stamping it at 0001 as it was made the first buffered update fail (no such column)."""
+    from sqlalchemy import BigInteger, String
+
+    _legacy_store(url, BigInteger() if node_id == "bigint" else String(24))
+    store = Store(url)
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        assert migrate.current(conn) == migrate.head()
+    assert _diffs(url, "fedasync.store.schema") == []
+    assert "replays" in _tables(engine) and "ledger_blocks" in _tables(engine)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT node_id FROM clients")).scalar() == "123456789"
+        assert conn.execute(text("SELECT node_id FROM dispatches")).scalar() == "123456789"
+    engine.dispose()
+    old = store.get_run(1)
+    assert (old.name, old.status, old.current_version) == ("old", "finished", 1)
+    assert len(store.updates(1)) == 1 and np.array_equal(store.load_version(1, 1)[1]["a.weight"], PARAMS["a.weight"])
+    summary = _short_run(store)
+    assert store.get_run(summary["run_id"]).status == "finished"
+    assert store.counts(summary["run_id"])["versions"] == 4
+
+
+def test_a_store_made_before_migrations_with_serverless_tables_is_stamped_at_their_revision(url):
+    """A ledger/gossip command run before migrations had already made revision 0003's tables:
+    0003 failed with 'table ledger_payloads already exists' and the store could not be opened."""
+    from sqlalchemy import String
+
+    _legacy_store(url, String(24), serverless=True)
+    store = Store(url)
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        assert migrate.current(conn) == migrate.head()
+        assert conn.execute(text("SELECT size FROM ledger_payloads")).scalar() == 3
+        assert conn.execute(text("SELECT kind FROM serverless_runs WHERE run_id = 2")).scalar() == "gossip"
+    for module in migrate.SCHEMA_MODULES:
+        assert _diffs(url, module) == [], module
+    assert "replays" in _tables(engine)  # revision 0002, between the baseline and 0003
+    engine.dispose()
+    assert store.get_run(2).mode == "gossip"
+    assert store.counts(_short_run(store)["run_id"])["versions"] == 4
+
+
+def test_an_unversioned_store_of_another_schema_is_refused_and_left_unchanged(url):
+    """A column added, one dropped, one of another type, server-less tables in part: an error that
+    names each difference, before anything is changed (no alembic_version, no column added)."""
+    from alembic.util import CommandError
+    from sqlalchemy import Column, String
+
+    def edit(md):
+        md.tables["runs"].append_column(Column("owner", String(20), nullable=True))
+        md.tables["clients"].c.tasks_done.type = String(10)
+        for name in ("gossip_events", "gossip_metrics", "gossip_models", "ledger_blocks", "ledger_evals",
+                     "serverless_peers"):
+            md.remove(md.tables[name])
+
+    _legacy_store(url, String(24), serverless=True, edit=edit)
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(text("ALTER TABLE privacy_spend DROP COLUMN delta"))
+    before = {t: [(c["name"], str(c["type"])) for c in inspect(engine).get_columns(t)] for t in _tables(engine)}
+    with pytest.raises(CommandError) as e:
+        Store(url)
+    msg = str(e.value)
+    for part in ("runs.owner", "privacy_spend.delta is missing",
+                 "clients.tasks_done is string(10) not null, expected integer not null",
+                 "gossip_events", "Nothing was changed"):
+        assert part in msg, msg
+    assert "pending_params" not in msg and "\n" not in msg
+    after = {t: [(c["name"], str(c["type"])) for c in inspect(engine).get_columns(t)] for t in _tables(engine)}
+    assert after == before and "alembic_version" not in after
+    engine.dispose()
+
+
 def _open(url: str) -> int:
     Store(url).close()
     return 0
