@@ -3,17 +3,23 @@
 A client signs every update it returns; the server verifies it with the public key
 registered for that client before the update can touch the model.
 
-What is signed is :func:`update_message`: a fixed prefix and the JSON list
-``[run_id, task_id, base_version, params_sha256]``, where ``params_sha256`` is
-:func:`fedasync.server.strategies.params_sha256` of the returned parameters. The run and
-task ids bind a signature to one dispatch (a signature cannot be replayed for another
-task or run); the base version binds it to the model the client started from; the hash
-binds it to the exact arrays (key order, dtypes, shapes, bytes).
+What is signed is :func:`update_message` (version 2): a fixed prefix and the JSON list
+``[run_id, task_id, base_version, params_sha256, num_examples, metrics_sha256]``, where
+``params_sha256`` is :func:`fedasync.server.strategies.params_sha256` of the returned parameters,
+``num_examples`` is :func:`num_examples_of` the reply's metrics (the aggregation weight the server
+uses) and ``metrics_sha256`` is :func:`metrics_digest` of the reply's metrics (everything the client
+reports and the server records: loss, epsilon and the DP accounting). The run and task ids bind a
+signature to one dispatch (a signature cannot be replayed for another task or run); the base
+version binds it to the model the client started from; the hash binds it to the exact arrays
+(key order, dtypes, shapes, bytes); the example count and the metrics digest bind what the server
+weights the update by and records about its privacy. Version 1 (``fedasync-update-v1``, which left
+the metrics out) is no longer accepted.
 
 Ledger blocks (:mod:`fedasync.serverless.flchain`): :func:`sign_block` signs
 ``b"fedasync-block-v1\\n" + bytes.fromhex(block hash)``; a block carries its signer's raw public
-key as 64 lowercase hex digits (:func:`valid_block_key`), and the chain's genesis block pins
-which keys may sign.
+key as 64 lowercase hex digits (:func:`valid_block_key`) and its signature as 128 lowercase hex
+digits (any other spelling of the same bytes is refused, so a stored signature's text cannot
+change unnoticed), and the chain's genesis block pins which keys may sign.
 
 Key files (``fedasync keys gen``):
 
@@ -25,17 +31,21 @@ Pure: imports neither Flower nor the database.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-PREFIX = b"fedasync-update-v1\n"
+PREFIX = b"fedasync-update-v2\n"
 _CLIENT_PUB = re.compile(r"^client-(\d+)\.pub$")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_HEX128 = re.compile(r"[0-9a-f]{128}")
 
 
 class SigningKeyError(ValueError):
@@ -139,25 +149,65 @@ def fingerprint(key: Ed25519PublicKey | Ed25519PrivateKey) -> str:
 # -- signing ---------------------------------------------------------------------------
 
 
-def update_message(run_id: int, task_id: int, base_version: int, params_sha256: str) -> bytes:
+def num_examples_of(metrics: Any) -> int:
+    """The aggregation weight of a reply, as the server takes it from ``metrics["num_examples"]``:
+    a non-negative int (0 when missing, negative or not an integer)."""
+    x = metrics.get("num_examples", 0) if isinstance(metrics, dict) else 0
+    try:
+        n = int(x)
+    except (TypeError, ValueError, OverflowError):
+        return 0
+    return max(0, n)
+
+
+def _plain(o: Any) -> Any:
+    if hasattr(o, "tolist"):  # numpy scalars and arrays
+        return o.tolist()
+    raise TypeError(f"metrics: {type(o).__name__} is not JSON")
+
+
+def metrics_digest(metrics: Any) -> str:
+    """sha256 (hex) of the reply's metrics as canonical JSON (sorted keys, no spaces; tuples are
+    lists), the same before and after the metrics travel as JSON. Raises TypeError for a value
+    that is not JSON."""
+    m = metrics if isinstance(metrics, dict) else {}
+    body = json.dumps(m, sort_keys=True, separators=(",", ":"), default=_plain)
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
+def update_message(run_id: int, task_id: int, base_version: int, params_sha256: str, num_examples: int,
+                   metrics_sha256: str) -> bytes:
     """The exact bytes a client signs for one update."""
-    if not (isinstance(params_sha256, str) and re.fullmatch(r"[0-9a-f]{64}", params_sha256)):
-        raise ValueError("params_sha256: expected 64 lowercase hex digits")
-    return PREFIX + json.dumps([int(run_id), int(task_id), int(base_version), params_sha256]).encode()
+    for name, v in (("params_sha256", params_sha256), ("metrics_sha256", metrics_sha256)):
+        if not (isinstance(v, str) and _HEX64.fullmatch(v)):
+            raise ValueError(f"{name}: expected 64 lowercase hex digits")
+    if isinstance(num_examples, bool) or not isinstance(num_examples, int) or num_examples < 0:
+        raise ValueError(f"num_examples: expected a non-negative int, got {num_examples!r}")
+    return PREFIX + json.dumps([int(run_id), int(task_id), int(base_version), params_sha256, num_examples,
+                                metrics_sha256]).encode()
 
 
-def sign_update(key: Ed25519PrivateKey, run_id: int, task_id: int, base_version: int,
-                params_sha256: str) -> bytes:
-    return key.sign(update_message(run_id, task_id, base_version, params_sha256))
+def reply_message(run_id: int, task_id: int, base_version: int, params_sha256: str, metrics: Any) -> bytes:
+    """:func:`update_message` of a reply with these ``metrics`` (its weight and its metrics digest)."""
+    return update_message(run_id, task_id, base_version, params_sha256, num_examples_of(metrics),
+                          metrics_digest(metrics))
+
+
+def sign_update(key: Ed25519PrivateKey, run_id: int, task_id: int, base_version: int, params_sha256: str,
+                metrics: dict) -> bytes:
+    """Sign an update: its parameters' hash and the ``metrics`` it is sent with (sign last: the
+    metrics must not change after this)."""
+    return key.sign(reply_message(run_id, task_id, base_version, params_sha256, metrics))
 
 
 def verify_update(key: Ed25519PublicKey, signature: bytes | None, run_id: int, task_id: int,
-                  base_version: int, params_sha256: str) -> bool:
-    """True iff ``signature`` is ``key``'s signature over this update. Never raises."""
+                  base_version: int, params_sha256: str, metrics: Any) -> bool:
+    """True iff ``signature`` is ``key``'s signature over this update and exactly these
+    ``metrics`` (the server passes the metrics it uses). Never raises."""
     if not isinstance(signature, (bytes, bytearray)) or len(signature) != 64:
         return False
     try:
-        key.verify(bytes(signature), update_message(run_id, task_id, base_version, params_sha256))
+        key.verify(bytes(signature), reply_message(run_id, task_id, base_version, params_sha256, metrics))
     except (InvalidSignature, ValueError, TypeError):
         return False
     return True
@@ -173,7 +223,14 @@ def sign_block(key: Ed25519PrivateKey, hash_hex: str) -> str:
 
 
 def verify_block_signature(public_key_hex: str, hash_hex: str, signature_hex: str) -> bool:
-    """True iff ``signature_hex`` is a valid Ed25519 signature of the block hash. Never raises."""
+    """True iff ``signature_hex`` (128 lowercase hex digits) is a valid Ed25519 signature of the
+    block hash by ``public_key_hex`` (64 lowercase hex digits). Never raises."""
+    if not (isinstance(signature_hex, str) and _HEX128.fullmatch(signature_hex)):
+        return False
+    if not (isinstance(hash_hex, str) and _HEX64.fullmatch(hash_hex)):
+        return False
+    if not valid_block_key(public_key_hex):
+        return False
     try:
         key = Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_key_hex))
         key.verify(bytes.fromhex(signature_hex), BLOCK_PREFIX + bytes.fromhex(hash_hex))
@@ -185,7 +242,7 @@ def verify_block_signature(public_key_hex: str, hash_hex: str, signature_hex: st
 def valid_block_key(public_key_hex) -> bool:
     """True iff ``public_key_hex`` is a raw Ed25519 public key as blocks carry it: 64 lowercase
     hex digits that decode to a key. Never raises."""
-    if not (isinstance(public_key_hex, str) and re.fullmatch(r"[0-9a-f]{64}", public_key_hex)):
+    if not (isinstance(public_key_hex, str) and _HEX64.fullmatch(public_key_hex)):
         return False
     try:
         Ed25519PublicKey.from_public_bytes(bytes.fromhex(public_key_hex))

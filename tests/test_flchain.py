@@ -239,12 +239,14 @@ def open_chain(tmp_path):
     """(store, run_id, url, task): a small simulated chain whose members (simulation keys of seed
     0) may keep appending."""
     from fedasync.serverless.common import PeerTask
+    from fedasync.serverless.runs import start_run
 
     url = f"sqlite:///{tmp_path / 'open.db'}"
     store = Store(url)
     cfg = ledger_cfg(*OPEN)
     summary = simulate_ledger(cfg, store)
     assert summary["stop_reason"] == "max_virtual_time" and summary["aggregate_blocks"] >= 1
+    start_run(store, summary["run_id"])  # running again: its head is not recorded (verify checks a stopped run's)
     return store, summary["run_id"], url, PeerTask(cfg)
 
 
@@ -332,7 +334,8 @@ def test_an_outsider_block_fails_verify_and_every_peer_ignores_it(open_chain):
 
 def test_an_aggregate_that_folds_in_a_rejected_block_fails_the_recomputation(open_chain):
     """A member who aggregates the outsider's update (as a peer trusting every block would) writes
-    an aggregate the chain's own rule does not produce: verify stops there."""
+    an aggregate the chain's own rule does not produce: verify rejects it, and so does every peer
+    (it is never their head model); the walk goes on."""
     from fedasync.signing import generate_key
 
     store, run_id, url, task = open_chain
@@ -356,8 +359,11 @@ def test_an_aggregate_that_folds_in_a_rejected_block_fails_the_recomputation(ope
     assert F.try_append(store, run_id, member_key(1), h, view.head.hash, "aggregate", encode_params(new), meta,
                         None, 1)
     rep = verify_chain(store, run_id)
-    assert not rep.ok and rep.height == bad and rep.fatal is not None and rep.fatal[0] == h
-    assert "oldest pending are" in rep.fatal[2] and "the walk stopped there" in rep.line()
+    assert not rep.ok and rep.height == bad and rep.fatal is None
+    assert [r[0] for r in rep.rejected] == [bad, h] and "oldest pending are" in rep.rejected[1][2]
+    assert "2 block(s) rejected" in rep.line()
+    view.refresh()
+    assert view.rejected == [bad, h] and view.models[-1] == parent  # no peer takes it as the new model
     assert cli_verify(url).exit_code == 1
 
 
@@ -614,3 +620,194 @@ def test_dp_ledger_peers_stay_within_budget_and_the_chain_verifies(tmp_path):
     assert all(0 < eps[p] <= budgets[p].epsilon for p in range(6))
     assert eps[0] <= 3.0 < eps[5]
     assert verify_chain(store, s["run_id"]).ok
+
+
+# -- review findings: anchors, one per-block check for peers and verify, strict encodings -----------
+
+
+def test_verify_fails_a_chain_cut_short_or_grown_after_the_run_recorded_its_head(chain):
+    """A finished run recorded its head: deleting the last blocks (every remaining hash, link and
+    aggregate still checks) or adding blocks above it fails, naming what differs."""
+    store, run_id, summary = chain
+    rows = blocks(store, run_id)
+    assert summary["height"] == rows[-1].height and summary["head_hash"] == rows[-1].hash
+    rep = verify_chain(store, run_id)
+    assert rep.ok and f"the head it recorded when it finished (height {rows[-1].height})" in rep.line()
+    assert "no outside anchor" in rep.line()
+    with store.session() as s:
+        s.execute(SS.LedgerBlock.__table__.delete().where(SS.LedgerBlock.run_id == run_id,
+                                                          SS.LedgerBlock.height >= rows[-2].height))
+    rep = verify_chain(store, run_id)
+    assert not rep.ok and rep.height is None
+    assert (f"the chain ends at height {rows[-3].height}, but the run recorded its head at height "
+            f"{rows[-1].height} ({rows[-1].hash[:16]})") in rep.line()
+    # the append path refuses a stopped run's chain (a member block would break its recorded head)
+    with pytest.raises(F.ChainError, match="chain is closed at the head it recorded"):
+        F.append_member(store, run_id, AUTHORITY, "remove", 2)
+
+
+def test_verify_fails_another_runs_chain_put_in_a_runs_place(tmp_path):
+    """A whole self-consistent chain of another run (another config, seed and authority)
+    substituted for run 1's: its genesis does not match run 1's own rows."""
+    store = Store(f"sqlite:///{tmp_path / 'two.db'}")
+    one = simulate_ledger(ledger_cfg(), store)["run_id"]
+    two = simulate_ledger(ledger_cfg("seed=7", "train.lr=0.5"), store)["run_id"]
+    assert verify_chain(store, two).ok
+    with store.session() as s:
+        s.execute(SS.LedgerBlock.__table__.delete().where(SS.LedgerBlock.run_id == one))
+        s.execute(update(SS.LedgerBlock).where(SS.LedgerBlock.run_id == two).values(run_id=one))
+    rep = verify_chain(store, one)
+    assert not rep.ok and "config_sha256" in rep.line() and f"this chain is not run {one}'s" in rep.line()
+
+
+def test_cli_verify_head_and_authority_anchors(tmp_path):
+    from fedasync.signing import save_keypair
+
+    runner = CliRunner()
+    out = tmp_path / "out"
+    url = f"sqlite:///{out / 'fedasync.db'}"
+    res = runner.invoke(app, ["ledger", "run", "--virtual", "--out", str(out),
+                              *sum((["--set", s] for s in LEDGER[:-1]), [])])
+    assert res.exit_code == 0, res.output
+    head = json.loads((out / "summary.json").read_text())["head_hash"]
+    save_keypair(AUTHORITY, tmp_path / "keys", "genesis")
+    save_keypair(F.simulation_key(0, "someone"), tmp_path / "keys", "other")
+    ok = runner.invoke(app, ["ledger", "verify", "--store", url, "--head", head,
+                             "--authority", str(tmp_path / "keys" / "genesis.pub")])
+    assert ok.exit_code == 0 and ok.output.startswith("OK:"), ok.output
+    assert "--head" in ok.output and "--authority" in ok.output and "no outside anchor" not in ok.output
+    res = runner.invoke(app, ["ledger", "verify", "--store", url, "--head", head[:16]])  # a prefix will do
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["ledger", "verify", "--store", url, "--head", "ab" * 32])
+    assert res.exit_code == 1 and "is not --head abababab" in res.output
+    res = runner.invoke(app, ["ledger", "verify", "--store", url, "--authority", str(tmp_path / "keys" / "other.pub")])
+    assert res.exit_code == 1 and "not by --authority" in res.output
+    for bad in (["--head", "XYZ"], ["--authority", str(tmp_path / "nope.pub")]):
+        res = runner.invoke(app, ["ledger", "verify", "--store", url, *bad])
+        assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+
+
+def append_raw(store, run_id, key, kind, meta, params=None, meta_json=None, prev_hash=None):
+    """A block signed by ``key`` at the head, with exactly this meta (or meta_json text)."""
+    view = F.ChainView(store, run_id)
+    view.refresh()
+    data = encode_params(params) if params is not None else b""
+    sha = F.payload_digest(data)
+    meta_json = meta_json if meta_json is not None else F.canonical_json(meta)
+    h, prev = view.height + 1, prev_hash or view.head.hash
+    pub = key.public_key().public_bytes_raw().hex()
+    bh = F.block_hash(h, prev, kind, sha, meta_json, pub, 1.0)
+    with store.session() as s:
+        F._insert_payload(s, sha, data)
+        s.add(SS.LedgerBlock(run_id=run_id, height=h, prev_hash=prev, hash=bh, kind=kind, payload_sha256=sha,
+                             meta_json=meta_json, public_key=pub, signature=F.sign_block(key, bh), created=1.0,
+                             created_wall=1.0, peer_id=None))
+    return h
+
+
+def _update_meta(view, base, params, **kv):
+    return dict({"base": base, "base_hash": view.blocks[base].hash, "peer": 1, "task_id": 99_999,
+                 "num_examples": 5, "loss": 0.1, "epsilon": None, "params_sha256": params_sha256(params)}, **kv)
+
+
+@pytest.mark.parametrize("bad", ["base", "shape", "num_examples"])
+def test_a_members_malformed_update_is_rejected_by_every_peer_and_by_verify(open_chain, bad):
+    """t3/t9: a member signs an update whose base is not a model block, whose payload is not a
+    model of the genesis shapes, or whose num_examples is 1e400 (inf). Peers used to take it as
+    pending and crash when aggregating (KeyError, ValueError, OverflowError); verify crashed on
+    1e400. Now every reader rejects it, peers aggregate without it, verify reports FAIL there."""
+    store, run_id, url, task = open_chain
+    view = F.ChainView(store, run_id)
+    view.refresh()
+    base = view.head_model.height
+    params = view.params(base)
+    if bad == "base":
+        upd = max(view.arrival)  # an update block, not a model block
+        h = append_raw(store, run_id, member_key(1), "update", _update_meta(view, upd, params), params=params)
+        why = f"meta.base {upd} is not an earlier model block"
+    elif bad == "shape":
+        p2 = {k: (np.zeros((3,), v.dtype) if i == 0 else v) for i, (k, v) in enumerate(params.items())}
+        h = append_raw(store, run_id, member_key(1), "update", _update_meta(view, base, p2), params=p2)
+        why = "payload is not a model of the genesis model's keys, shapes and dtypes"
+    else:
+        text = F.canonical_json(_update_meta(view, base, params)).replace('"num_examples":5', '"num_examples":1e400')
+        h = append_raw(store, run_id, member_key(1), "update", None, params=params, meta_json=text)
+        why = "meta.num_examples inf is not a non-negative integer"
+    view.refresh()
+    assert view.rejected == [h] and h not in view.pending and view.blocks[h].rejected == why
+    ups, agg = honest_round(store, run_id, task)  # honest peers go on and aggregate, without it
+    assert agg is not None and h not in json.loads(blocks(store, run_id)[agg].meta_json)["updates"]
+    rep = verify_chain(store, run_id)
+    assert not rep.ok and rep.height == h and rep.reason == why and rep.fatal is None
+    assert agg in rep.counts["aggregate_heights"]
+    res = cli_verify(url)
+    assert res.exit_code == 1 and f"height {h} (update)" in res.output
+
+
+@pytest.mark.parametrize("bad", ["params", "notlist"])
+def test_a_forged_aggregate_is_never_a_peers_model(open_chain, bad):
+    """t5: a member signs an aggregate of the K oldest pending updates whose parameters are all
+    7.0 (staleness right, so only recomputation catches it), or whose ``updates`` is not a list.
+    Peers used to train from it (or crash reading the chain); now they reject it, keep the previous
+    model, and an honest peer aggregates the same updates properly."""
+    store, run_id, url, task = open_chain
+    view = F.ChainView(store, run_id)
+    view.refresh()
+    while len(view.pending) < 3:
+        append_honest(store, run_id, task, 1 + len(view.pending))
+        view.refresh()
+    parent = view.models[-1]
+    names = view.pending[:3]
+    evil = {k: np.full_like(v, 7.0) for k, v in view.params(parent).items()}
+    meta = {"updates": names if bad == "params" else names[0], "parent": parent,
+            "parent_hash": view.blocks[parent].hash, "model_index": len(view.models),
+            "staleness": [view.staleness(u) for u in names], "peer": 1, "params_sha256": params_sha256(evil)}
+    h = append_raw(store, run_id, member_key(1), "aggregate", meta, params=evil)
+    peer = LedgerPeer(store, run_id, 4, member_key(4), task)
+    work = peer.start_task(30_000)
+    assert work.base == parent and peer.view.rejected == [h]
+    assert not all(np.all(a == 7.0) for a in peer.view.params(work.base).values())
+    agg = peer.try_aggregate()  # the same K updates, aggregated by the rule
+    assert agg == h + 1 and json.loads(blocks(store, run_id)[agg].meta_json)["updates"] == names
+    rep = verify_chain(store, run_id)
+    assert not rep.ok and rep.height == h and rep.fatal is None and agg in rep.counts["aggregate_heights"]
+    assert ("differ from the FedBuff aggregate recomputed" if bad == "params" else "oldest pending are") in rep.reason
+    res = CliRunner().invoke(app, ["ledger", "show", "--store", url])
+    assert res.exit_code == 0 and f"rejected block at height {h} (aggregate)" in res.output
+
+
+def test_a_block_spliced_from_another_run_is_rejected_by_peers(tmp_path):
+    """t6: the same member keys (same seed) in two runs; run 2's block 5 put in run 1's place.
+    Peers used to accept it (ChainView never checked prev_hash); now it is rejected, and verify
+    stops there."""
+    store = Store(f"sqlite:///{tmp_path / 'splice.db'}")
+    one = simulate_ledger(ledger_cfg(), store)["run_id"]
+    two = simulate_ledger(ledger_cfg("train.lr=0.9"), store)["run_id"]
+    b1, b2 = blocks(store, one)[5], blocks(store, two)[5]
+    assert b1.public_key == b2.public_key and b1.hash != b2.hash
+    with store.session() as s:
+        s.execute(SS.LedgerBlock.__table__.delete().where(SS.LedgerBlock.id == b1.id))
+        s.execute(update(SS.LedgerBlock).where(SS.LedgerBlock.id == b2.id).values(run_id=one))
+    view = F.ChainView(store, one)
+    view.refresh()
+    assert 5 in view.rejected and view.blocks[5].fatal and "the chain is broken here" in view.blocks[5].rejected
+    assert 5 not in view.pending and 5 not in view.models
+    rep = verify_chain(store, one)
+    assert not rep.ok and rep.height == 5 and "does not match the hash of block 4" in rep.reason
+
+
+def test_block_signatures_and_keys_must_be_lowercase_hex(chain):
+    """t4: bytes.fromhex accepts spaces and capitals, so a stored signature's text could change
+    and still verify. Only 128 (signature) / 64 (key) lowercase hex digits verify now."""
+    store, run_id, _ = chain
+    rows = blocks(store, run_id)
+    b = rows[5]
+    assert F.verify_block_signature(b.public_key, b.hash, b.signature)
+    for sig in (b.signature.upper(), " ".join(b.signature[i:i + 2] for i in range(0, 128, 2)), b.signature + "\n"):
+        assert not F.verify_block_signature(b.public_key, b.hash, sig)
+    assert not F.verify_block_signature(b.public_key.upper(), b.hash, b.signature)
+    assert not F.verify_block_signature(b.public_key, b.hash.upper(), b.signature)
+    with store.session() as s:
+        s.execute(update(SS.LedgerBlock).where(SS.LedgerBlock.id == b.id).values(signature=b.signature.upper()))
+    rep = verify_chain(store, run_id)
+    assert not rep.ok and rep.height == 5 and "bad signature" in rep.reason

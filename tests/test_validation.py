@@ -36,17 +36,77 @@ def test_sign_verify_round_trip_and_binding():
     key = generate_key()
     pub = key.public_key()
     sha = "ab" * 32
-    sig = sign_update(key, 3, 17, 5, sha)
-    assert verify_update(pub, sig, 3, 17, 5, sha)
+    m = {"num_examples": 40, "loss": 0.5}
+    sig = sign_update(key, 3, 17, 5, sha, m)
+    assert verify_update(pub, sig, 3, 17, 5, sha, m)
     # every signed field is bound: another run, task, base version or parameters fails
     for args in [(4, 17, 5, sha), (3, 18, 5, sha), (3, 17, 6, sha), (3, 17, 5, "cd" * 32)]:
-        assert not verify_update(pub, sig, *args)
-    assert not verify_update(generate_key().public_key(), sig, 3, 17, 5, sha)  # another key
-    assert not verify_update(pub, None, 3, 17, 5, sha)
-    assert not verify_update(pub, sig[:-1] + bytes([sig[-1] ^ 1]), 3, 17, 5, sha)
-    assert not verify_update(pub, b"short", 3, 17, 5, sha)
+        assert not verify_update(pub, sig, *args, m)
+    assert not verify_update(generate_key().public_key(), sig, 3, 17, 5, sha, m)  # another key
+    assert not verify_update(pub, None, 3, 17, 5, sha, m)
+    assert not verify_update(pub, sig[:-1] + bytes([sig[-1] ^ 1]), 3, 17, 5, sha, m)
+    assert not verify_update(pub, b"short", 3, 17, 5, sha, m)
     with pytest.raises(ValueError):
-        update_message(1, 2, 3, "not-a-sha")
+        update_message(1, 2, 3, "not-a-sha", 1, "ab" * 32)
+    with pytest.raises(ValueError, match="num_examples"):
+        update_message(1, 2, 3, sha, -1, "ab" * 32)
+
+
+def test_the_signature_covers_num_examples_and_the_metrics():
+    """Review finding: the weight (``num_examples``) and the DP metrics the server records were
+    not signed, so a reply changed in transit kept its valid signature."""
+    key = generate_key()
+    pub = key.public_key()
+    sha = "ab" * 32
+    m = {"num_examples": 100, "epsilon": 1.5, "delta": 1e-5, "accountant_history": [[1.1, 0.01, 20]],
+         "dp_steps": 20, "noise_multiplier": 1.1, "sample_rate": 0.01, "accountant": "rdp"}
+    sig = sign_update(key, 3, 17, 5, sha, m)
+    assert verify_update(pub, sig, 3, 17, 5, sha, dict(m))
+    # the same metrics after a trip as JSON (tuples become lists, key order changes): still valid
+    import json
+
+    assert verify_update(pub, sig, 3, 17, 5, sha, json.loads(json.dumps(dict(reversed(list(m.items()))))))
+    for k, v in [("num_examples", 10**9), ("epsilon", 0.1), ("delta", 1e-9), ("accountant_history", []),
+                 ("dp_steps", 2), ("loss", 0.0)]:
+        assert not verify_update(pub, sig, 3, 17, 5, sha, dict(m, **{k: v})), k
+    assert not verify_update(pub, sig, 3, 17, 5, sha, {k: v for k, v in m.items() if k != "epsilon"})
+    assert not verify_update(pub, sig, 3, 17, 5, sha, None)
+    # the weight is what the server uses: a non-negative int
+    from fedasync.signing import num_examples_of
+
+    assert [num_examples_of(x) for x in ({"num_examples": 5}, {"num_examples": -3}, {}, None,
+                                          {"num_examples": float("inf")}, {"num_examples": "x"})] == [5, 0, 0, 0, 0, 0]
+
+
+def test_a_signed_reply_verifies_after_the_wire():
+    """The client signs its metrics before they travel as JSON (Flower's ConfigRecord); the server
+    verifies the decoded reply: the digest is the same on both sides."""
+    from fedasync.wire import content_to_result, reply_content
+
+    key = generate_key()
+    params = {"w": np.full((3, 2), 0.1, np.float32), "b": np.zeros(2, np.float32)}
+    metrics = {"num_examples": 64, "steps": 3, "train_time_s": 0.123456789, "epsilon": 0.7321, "delta": 1e-5,
+               "accountant_history": [(1.1, 0.0625, 3)], "dp_steps": 3, "task_id": 7, "client_id": 0}
+    result = {"params": params, "metrics": metrics}
+    result["signature"] = sign_update(key, 1, 7, 2, params_sha256(params), result["metrics"])
+    got = content_to_result(reply_content(result))
+    reply = Reply(task_id=7, params=got["params"], metrics=got["metrics"], signature=got["signature"])
+    v = UpdateValidator(REF, ServerConfig(), public_keys={0: key.public_key()})
+    assert v.check(reply, _Live(7, 0, 2), 0, run_id=1, base=REF) is None
+
+
+def test_validator_rejects_a_reply_whose_weight_changed_in_transit():
+    """t8: two signed replies; changing one's ``num_examples`` after signing is ``bad_signature``."""
+    keys = {0: generate_key(), 1: generate_key()}
+    v = UpdateValidator(REF, ServerConfig(), public_keys={c: k.public_key() for c, k in keys.items()})
+    good = {"w": np.full((3, 2), 0.1, np.float32), "b": np.zeros(2, np.float32)}
+    r = _reply(good, keys[1], task=11, base=0, run=7, metrics={"num_examples": 100, "client_id": 1})
+    assert v.check(r, _Live(11, 1, 0), 0, run_id=7, base=REF) is None
+    r.metrics["num_examples"] = 10**9
+    assert v.check(r, _Live(11, 1, 0), 0, run_id=7, base=REF) == "bad_signature"
+    r = _reply(good, keys[1], task=11, base=0, run=7, metrics={"num_examples": 100, "epsilon": 2.0})
+    r.metrics["epsilon"] = 0.5  # a DP client's spend, understated in transit
+    assert v.check(r, _Live(11, 1, 0), 0, run_id=7, base=REF) == "bad_signature"
 
 
 def test_key_files(tmp_path):
@@ -83,8 +143,10 @@ REF = {"w": np.zeros((3, 2), np.float32), "b": np.zeros(2, np.float32)}
 
 
 def _reply(params, key=None, task=7, base=2, run=1, metrics=None):
-    sig = sign_update(key, run, task, base, params_sha256(params)) if key is not None and params is not None else None
-    return Reply(task_id=task, params=params, metrics=metrics or {}, signature=sig)
+    metrics = metrics or {}
+    sig = sign_update(key, run, task, base, params_sha256(params), metrics) \
+        if key is not None and params is not None else None
+    return Reply(task_id=task, params=params, metrics=metrics, signature=sig)
 
 
 def test_validator_reasons():
@@ -240,7 +302,7 @@ def test_bad_update_battery(tmp_path):
         elif kind == "never_dispatched":
             tr.extra.append(("forged-mid", Reply(task_id=-1, params=p, metrics={"task_id": 999})))
         signer = intruder if kind == "forged" else keys[t.client_id]
-        sig = sign_update(signer, c["run_id"], c["task_id"], c["base_version"], params_sha256(p))
+        sig = sign_update(signer, c["run_id"], c["task_id"], c["base_version"], params_sha256(p), metrics)
         return Reply(task_id=t.task_id, params=p, metrics=metrics, signature=sig)
 
     cfg = _cfg(max_update_norm=5.0)
@@ -294,7 +356,7 @@ def test_rejected_updates_leave_model_and_version_unchanged(tmp_path):
             k = next(iter(p))
             p[k] = np.full_like(p[k], np.nan) if i % 2 else p[k][:1]
         sig = sign_update(keys[t.client_id], t.config["run_id"], t.task_id, t.config["base_version"],
-                          params_sha256(p))
+                          params_sha256(p), {"num_examples": 5})
         return Reply(task_id=t.task_id, params=p, metrics={"num_examples": 5}, signature=sig)
 
     store = Store(f"sqlite:///{tmp_path / 's.db'}")

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from fedasync.cli.common import console, load_or_exit, progress_bars, quiet_flower
+from fedasync.cli.common import console, fail, load_or_exit, progress_bars, quiet_flower
 from fedasync.cli.peers import STORE_HELP, Bar, default_store, fmt4, prepare, user_errors, write_and_print
 
 
@@ -81,7 +81,8 @@ def run(
         rows.append(("peer exit codes", str(summary["peer_exit_codes"])))
     write_and_print(out, cfg, summary, ["version", "height", "time_s", "accuracy", "loss"], None,
                     f"{cfg.name}: ledger (seed {cfg.seed})", rows)
-    console.print(f"verify with: fedasync ledger verify --store {url} --run-id {summary['run_id']}")
+    console.print(f"verify with: fedasync ledger verify --store {url} --run-id {summary['run_id']} "
+                  f"--head {summary['head_hash']}", highlight=False, soft_wrap=True)
     console.print(f"done in {time.time() - t0:.1f} s")
 
 
@@ -111,21 +112,50 @@ def peer(
 def verify(
     store: str = typer.Option("sqlite:///fedasync.db", "--store", help=STORE_HELP),
     run_id: Optional[int] = typer.Option(None, "--run-id", help="The ledger run (default: the newest)."),
+    head: Optional[str] = typer.Option(None, "--head", help="The hash the chain's last block must have (summary.json "
+                                       "head_hash; 16 to 64 hex digits): an anchor from outside the store."),
+    authority: Optional[str] = typer.Option(None, "--authority", help="The run's authority key that must have signed "
+                                            "the genesis block: keys/genesis.pub (or .key), or 64 hex digits."),
 ) -> None:
-    """Re-check every hash link, signature, signer and payload hash, and recompute every aggregate; exit 1 on the
-    first bad block."""
-    from fedasync.serverless.ledger_verify import verify_chain
+    """Re-check every hash link, signature, signer and payload hash, and recompute every aggregate; check the
+    genesis block against the run's config and rule, and the last block against the head the run recorded when
+    it stopped (and --head / --authority); exit 1 on the first bad block or a chain that is not the run's."""
+    from fedasync.serverless.ledger_verify import HEX, verify_chain
     from fedasync.serverless.runs import find_run, open_store
 
+    if head is not None and not HEX.fullmatch(head):
+        fail(f"--head: {head!r} is not 16 to 64 lowercase hex digits of a block hash")
     with user_errors():
+        key = _authority_hex(authority) if authority is not None else None
         st = open_store(store, must_exist=True)
         rid = find_run(st, "ledger", run_id)
-        report = verify_chain(st, rid)
+        report = verify_chain(st, rid, head=head, authority=key)
     if report.ok:
-        console.print(report.line(), highlight=False)
+        console.print(report.line(), highlight=False, soft_wrap=True)
         return
-    console.print(report.line(), highlight=False, style="red")
+    console.print(report.line(), highlight=False, style="red", soft_wrap=True)
     raise typer.Exit(1)
+
+
+def _authority_hex(value: str) -> str:
+    """--authority: 64 hex digits, or a PEM public key file, or the PEM private key file."""
+    import re
+
+    from fedasync.serverless.flchain import key_hex
+    from fedasync.signing import SigningKeyError, load_private_key, load_public_key
+
+    if re.fullmatch(r"[0-9a-f]{64}", value):
+        return value
+    path = Path(value)
+    if not path.is_file():
+        raise SigningKeyError(f"--authority: {value} is neither 64 lowercase hex digits nor a key file")
+    try:
+        return key_hex(load_public_key(path))
+    except SigningKeyError:
+        try:
+            return key_hex(load_private_key(path))
+        except SigningKeyError:
+            raise SigningKeyError(f"--authority: {path} is not an Ed25519 public or private key (PEM)") from None
 
 
 def show(

@@ -80,9 +80,10 @@ def train(msg: Message, context: Context) -> Message:
         from fedasync.server.strategies import params_sha256
         from fedasync.signing import sign_update
 
+        # last: the signature covers the metrics as sent (num_examples, loss, epsilon, DP accounting)
         result["signature"] = sign_update(_signing_key(str(key_path)), int(config["run_id"]),
                                           int(config["task_id"]), int(config["base_version"]),
-                                          params_sha256(result["params"]))
+                                          params_sha256(result["params"]), result.setdefault("metrics", {}))
     return Message(reply_content(result), reply_to=msg)
 
 

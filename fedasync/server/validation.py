@@ -14,7 +14,9 @@ Each check returns a short, stable reason string that is recorded with the rejec
 2. ``missing_params``: the reply carries no parameters.
 3. ``bad_signature``: signing is on and the reply's signature is missing or is not the
    registered key's Ed25519 signature over ``(run id, task id, base version, sha256 of the
-   parameters)`` (:func:`fedasync.signing.update_message`).
+   parameters, num_examples, sha256 of the metrics)`` (:func:`fedasync.signing.update_message`),
+   checked against the reply's metrics as the server uses them: the weight
+   :func:`num_examples_of` and the metrics the privacy accountant records.
 4. ``missing_key`` / ``extra_key`` / ``bad_shape`` / ``bad_dtype`` / ``non_finite``: the
    parameters must have exactly the global model's keys, shapes and dtypes, all values finite.
 5. ``norm_exceeded``: ``||x_i - x_base||_2 > server.max_update_norm`` (when set).
@@ -35,6 +37,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from fedasync.config import ServerConfig
+from fedasync.signing import num_examples_of  # noqa: F401 (the weight the server uses: the loop imports it here)
 
 Params = dict[str, np.ndarray]
 
@@ -133,7 +136,7 @@ class UpdateValidator:
         if hasattr(reply, "params_sha256"):
             reply.params_sha256 = sha  # the update's row records it: not hashed twice
         ok = verify_update(self.public_keys[int(live.client_id)], reply.signature, run_id, live.task_id,
-                           live.base_version, sha)
+                           live.base_version, sha, getattr(reply, "metrics", None))
         return None if ok else "bad_signature"
 
     def check(self, reply: Any, live: Any, staleness: int, run_id: int = 0,

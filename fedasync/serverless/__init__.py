@@ -2,9 +2,11 @@
 
 The ledger (FLchain: signed update and aggregate blocks anyone can audit; ``fedasync ledger``):
 
-- :mod:`~fedasync.serverless.flchain`: the chain: block format and hashing, who may sign
-  (membership), :class:`~fedasync.serverless.flchain.ChainView` (what peers aggregate from),
-  appending, new chains and member blocks;
+- :mod:`~fedasync.serverless.flchain`: the chain: block format,
+  :class:`~fedasync.serverless.flchain.ChainView` (what peers aggregate from), appending, new
+  chains and member blocks;
+- :mod:`~fedasync.serverless.ledger_block`: hashing, who may sign (membership) and the one
+  per-block check peers and the auditor both run (pure);
 - :mod:`~fedasync.serverless.ledger_rule`: the aggregation rule (FedBuff over K update blocks; pure);
 - :mod:`~fedasync.serverless.ledger_peer`: one peer (train, append update and aggregate blocks);
 - :mod:`~fedasync.serverless.ledger_verify`: the auditor (``fedasync ledger verify``).

@@ -1,7 +1,9 @@
 """FLchain: a ledger of signed model updates in the SQL store that anyone can audit.
 
-This module is the chain itself: the block format and hashing, who may sign (membership),
-the aggregation rule, a peer's view of the chain (:class:`ChainView`) and appending.
+This module is the chain itself: the block format, a peer's view of the chain
+(:class:`ChainView`) and appending; hashing, who may sign (membership) and the per-block check
+live in :mod:`fedasync.serverless.ledger_block` (re-exported here), the aggregation rule in
+:mod:`fedasync.serverless.ledger_rule`.
 A peer's loop is :mod:`fedasync.serverless.ledger_peer`; the auditor is
 :mod:`fedasync.serverless.ledger_verify`.
 
@@ -49,12 +51,17 @@ Who may sign (membership)
   update blocks stay valid and are aggregated as usual. Members cannot admit anyone, so a
   stolen peer key cannot grow the set of signers; the authority key signs no updates unless it
   is also a member's key.
-- A block that breaks these rules (or whose hash or signature does not verify) is
-  **rejected**: :class:`ChainView`, what every peer aggregates from, skips it (it is never
-  pending, never aggregated, never a model), and the chain continues above it (the next block
-  links to its hash, so heights stay contiguous). :func:`fedasync.serverless.ledger_verify.verify_chain`
-  reports FAIL at the first such height and still walks the rest, recomputing every later
-  aggregate without it: an aggregate that had folded it in would fail that recomputation.
+- A block that breaks these rules, or any other (its ``prev_hash``, hash or signature does not
+  verify; its payload is not a model of the genesis model's keys, shapes and dtypes; an
+  update's ``meta.base`` is not an earlier model block or its ``num_examples`` not a
+  non-negative integer; an aggregate does not name the K oldest pending updates or does not
+  recompute bit for bit) is **rejected**: :class:`ChainView`, what every peer aggregates from,
+  skips it (it is never pending, never aggregated, never a model), and the chain continues
+  above it (the next block links to its hash, so heights stay contiguous). The check is one
+  function, :func:`fedasync.serverless.ledger_block.check_block`, that
+  :func:`fedasync.serverless.ledger_verify.verify_chain` runs too: it reports FAIL at the first
+  such height and still walks the rest, recomputing every later aggregate without it (it stops
+  at a broken link, hash, signature or payload bytes: nothing above those can be trusted).
 
 Appending
 ---------
@@ -68,12 +75,9 @@ when fewer than K are left). No peer is special: whoever sees K pending updates 
 from __future__ import annotations
 
 import hashlib
-import json
-import re
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -85,40 +89,33 @@ from sqlalchemy.orm import Session
 from fedasync.config import Config
 from fedasync.server.strategies import params_sha256
 from fedasync.serverless.common import PeerTask
+from fedasync.serverless.ledger_block import (  # noqa: F401 (re-exported: the chain's format)
+    EMPTY_SHA256,
+    HASH_VERSION,
+    KINDS,
+    ZERO_HASH,
+    BadPayload,
+    Block,
+    ChainError,
+    Membership,
+    PayloadError,
+    UpdateFacts,
+    Verdict,
+    block_hash,
+    canonical_json,
+    check_block,
+    payload_digest,
+)
 from fedasync.serverless.ledger_rule import Rule, UpdateIn, compute_aggregate, same_params  # noqa: F401 (re-exported)
-from fedasync.serverless.runs import create_run
+from fedasync.serverless.runs import create_run, run_summary
 from fedasync.signing import public_raw, sign_block, valid_block_key, verify_block_signature  # noqa: F401
 from fedasync.store import Store, decode_params, encode_params
 from fedasync.store import serverless_schema as SS
 
 Params = dict[str, np.ndarray]
 
-ZERO_HASH = "0" * 64
-HASH_VERSION = 1
-KINDS = ("genesis", "member", "update", "aggregate")
-EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()  # the payload of a member block
 
-
-class ChainError(RuntimeError):
-    """The chain in the store is not one this code can extend (run ``fedasync ledger verify``)."""
-
-
-# -- hashing and signing --------------------------------------------------------------------------
-
-
-def canonical_json(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
-
-
-def block_hash(height: int, prev_hash: str, kind: str, payload_sha256: str, meta_json: str, public_key: str,
-               created: float) -> str:
-    body = json.dumps([HASH_VERSION, int(height), prev_hash, kind, payload_sha256, meta_json, public_key,
-                       repr(float(created))], separators=(",", ":"))
-    return hashlib.sha256(body.encode()).hexdigest()
-
-
-def payload_digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+# -- keys ------------------------------------------------------------------------------------------
 
 
 def simulation_key(seed: int, name: str) -> Ed25519PrivateKey:
@@ -132,146 +129,15 @@ def key_hex(key: Ed25519PrivateKey | Ed25519PublicKey | str) -> str:
     return key.lower() if isinstance(key, str) else public_raw(key).hex()
 
 
-# -- membership -----------------------------------------------------------------------------------
-
-
-def _peer_id(x: Any) -> int | None:
-    return x if isinstance(x, int) and not isinstance(x, bool) else None
-
-
-class Membership:
-    """Who may sign which block, as of the height being read (see the module docstring)."""
-
-    def __init__(self, authority: str, num_peers: int, members: dict[int, str]):
-        self.authority = authority
-        self.num_peers = num_peers
-        self.by_peer: dict[int, str] = dict(members)
-        self.by_key: dict[str, int] = {k: p for p, k in members.items()}
-        self.removed: dict[str, tuple[int, int]] = {}  # key -> (peer, height of the member block)
-
-    @classmethod
-    def from_genesis(cls, public_key: str, meta: dict) -> "Membership":
-        """The genesis block's members; ValueError (why) if the list is not a valid one."""
-        n = _peer_id(meta.get("num_peers"))
-        if n is None or n < 1:
-            raise ValueError("meta.num_peers is missing")
-        rows = meta.get("members")
-        if not isinstance(rows, list):
-            raise ValueError("meta.members is missing: the chain does not pin its signers")
-        members: dict[int, str] = {}
-        for r in rows:
-            p = _peer_id(r.get("peer")) if isinstance(r, dict) else None
-            k = r.get("public_key") if isinstance(r, dict) else None
-            if p is None or not 0 <= p < n:
-                raise ValueError(f"meta.members: peer {r!r} is not an id in 0..{n - 1}")
-            if not valid_block_key(k):
-                raise ValueError(f"meta.members: peer {p}'s public_key is not a raw Ed25519 key (hex)")
-            if p in members or k in members.values():
-                raise ValueError(f"meta.members: peer {p} or its key is listed twice")
-            members[p] = k
-        return cls(public_key, n, members)
-
-    def peer_of(self, key: str) -> int | None:
-        return self.by_key.get(key)
-
-    def key_of(self, peer: int) -> str | None:
-        return self.by_peer.get(peer)
-
-    def check(self, kind: str, public_key: str, meta: dict) -> str | None:
-        """None if the block at hand may be appended by ``public_key``; else why not."""
-        if kind == "genesis":
-            return "a second genesis block"
-        if kind == "member":
-            if public_key != self.authority:
-                return (f"a member block must be signed by the run's authority key ({self.authority[:16]}), "
-                        f"not {public_key[:16]}")
-            op, p = meta.get("op"), _peer_id(meta.get("peer"))
-            if p is None or not 0 <= p < self.num_peers:
-                return f"meta.peer {meta.get('peer')!r} is not a peer id in 0..{self.num_peers - 1}"
-            if op == "add":
-                k = meta.get("public_key")
-                if p in self.by_peer:
-                    return f"peer {p} is already a member"
-                if not valid_block_key(k):
-                    return "meta.public_key is not a raw Ed25519 key (hex)"
-                if k in self.by_key:
-                    return f"that key is already peer {self.by_key[k]}'s"
-                return None
-            if op == "remove":
-                return None if p in self.by_peer else f"peer {p} is not a member"
-            return f"meta.op {op!r} is not add or remove"
-        signer = self.by_key.get(public_key)
-        claim = meta.get("peer")
-        if signer is None:
-            if public_key in self.removed:
-                p, h = self.removed[public_key]
-                return f"signed by the key of peer {p}, removed from the run at height {h}"
-            if public_key == self.authority:
-                return "signed by the run's authority key, which signs genesis and member blocks only"
-            return f"signed by key {public_key[:16]}, which is not a member of the run"
-        if _peer_id(claim) != signer:
-            return f"signed by peer {signer}'s key but claims to be peer {claim!r}"
-        return None
-
-    def apply(self, height: int, meta: dict) -> None:
-        """A member block that passed :meth:`check`."""
-        p = int(meta["peer"])
-        if meta["op"] == "add":
-            k = meta["public_key"]
-            self.by_peer[p], self.by_key[k] = k, p
-            self.removed.pop(k, None)
-        else:
-            k = self.by_peer.pop(p)
-            del self.by_key[k]
-            self.removed[k] = (p, height)
-
-
 # -- reading the chain ----------------------------------------------------------------------------
-
-
-@dataclass
-class Block:
-    height: int
-    prev_hash: str
-    hash: str
-    kind: str
-    payload_sha256: str
-    meta: dict
-    meta_json: str
-    public_key: str
-    signature: str
-    created: float
-    peer_id: int | None
-    rejected: str | None = None  # why every peer ignores this block (see "Who may sign")
-
-    @classmethod
-    def from_row(cls, r: SS.LedgerBlock) -> "Block":
-        try:
-            meta = json.loads(r.meta_json)
-        except (TypeError, ValueError):
-            meta = {}
-        return cls(r.height, r.prev_hash, r.hash, r.kind, r.payload_sha256, meta if isinstance(meta, dict) else {},
-                   r.meta_json, r.public_key, r.signature, r.created, r.peer_id)
-
-    def intact(self) -> str | None:
-        """None if the hash recomputes and the signature verifies; else which does not."""
-        try:
-            h = block_hash(self.height, self.prev_hash, self.kind, self.payload_sha256, self.meta_json,
-                           self.public_key, self.created)
-        except (TypeError, ValueError) as e:
-            return f"cannot hash the block ({e})"
-        if h != self.hash:
-            return "hash mismatch: the block's contents are not what was hashed and signed"
-        if not verify_block_signature(self.public_key, self.hash, self.signature):
-            return f"bad signature (key {self.public_key[:16]})"
-        return None
 
 
 class ChainView:
     """A peer's incrementally refreshed copy of the chain's headers (blocks are immutable).
 
-    Every block is checked as it is read (hash, signature, membership); a block that fails is
-    kept at its height with ``rejected`` set and otherwise ignored."""
+    Every block is checked as it is read by :func:`~fedasync.serverless.ledger_block.check_block`,
+    the auditor's own check (link, hash, signature, signer, payload, base, aggregate recomputed);
+    a block that fails is kept at its height with ``rejected`` set and otherwise ignored."""
 
     def __init__(self, store: Store, run_id: int, cache_size: int = 64):
         self.store = store
@@ -281,10 +147,13 @@ class ChainView:
         self.model_index: dict[int, int] = {}
         self.pending: list[int] = []  # accepted update heights not yet aggregated, oldest first
         self.arrival: dict[int, int] = {}  # update height -> model index of the latest model below it
+        self.updates: dict[int, UpdateFacts] = {}  # accepted update height -> its checked meta
         self.rejected: list[int] = []  # heights every peer ignores
         self.members: Membership | None = None  # None: a chain written before signers were pinned
+        self.spec: list | None = None  # the genesis model's (key, shape, dtype)
         self._cache: OrderedDict[str, Params] = OrderedDict()
         self._cache_size = cache_size
+        self._prefetched: dict[str, bytes] = {}  # payload bytes already read with their block (verify)
         self.rule: Rule | None = None
 
     def refresh(self) -> int:
@@ -298,37 +167,33 @@ class ChainView:
             self._apply(Block.from_row(r))
         return len(rows)
 
-    def _apply(self, b: Block) -> None:
+    def _apply(self, b: Block) -> Verdict:
         h = len(self.blocks)
         if b.height != h:
             raise ChainError(f"run {self.run_id}: block heights jump from {h - 1} to {b.height}")
-        if b.kind not in KINDS:
-            raise ChainError(f"run {self.run_id}: block {h} has unknown kind {b.kind!r}")
-        why = b.intact()
-        if h == 0:
-            if b.kind != "genesis":
-                raise ChainError(f"run {self.run_id}: block 0 is {b.kind!r}, not genesis")
-            if why:
-                raise ChainError(f"run {self.run_id}: the genesis block: {why}")
-            self.rule = Rule.from_dict(b.meta["rule"])
-            try:
-                self.members = Membership.from_genesis(b.public_key, b.meta)
-            except ValueError:
-                self.members = None  # readable (ledger show); LedgerPeer and verify refuse it
-        elif why is None and self.members is not None:
-            why = self.members.check(b.kind, b.public_key, b.meta)
-        if why is not None:
-            b.rejected = why
+        v = check_block(self, b)
+        if h == 0 and v.why is not None:
+            raise ChainError(f"run {self.run_id}: the genesis block: {v.why}")
+        self.accept(b, v)
+        return v
+
+    def accept(self, b: Block, v: Verdict) -> None:
+        """Apply block ``b`` (the next height) as :func:`check_block` judged it (``v``)."""
+        h = len(self.blocks)
+        if v.why is not None:
+            b.rejected, b.fatal = v.why, v.fatal
             self.rejected.append(h)
         elif b.kind in ("genesis", "aggregate"):
-            if b.kind == "aggregate":
-                named = set(b.meta.get("updates", []))
-                self.pending = [u for u in self.pending if u not in named]
+            if b.kind == "genesis":
+                self.rule, self.spec, self.members = v.rule, v.spec, v.members
+            else:
+                self.pending = self.pending[len(b.meta["updates"]):]  # checked: the K oldest
             self.model_index[h] = len(self.models)
             self.models.append(h)
         elif b.kind == "update":
             self.pending.append(h)
-            self.arrival[h] = len(self.models) - 1
+            self.arrival[h] = v.update.arrival
+            self.updates[h] = v.update
         elif self.members is not None:  # member
             self.members.apply(h, b.meta)
         self.blocks.append(b)
@@ -354,16 +219,23 @@ class ChainView:
         return [b for b in self.blocks if b.rejected is None and (kind is None or b.kind == kind)]
 
     def payload(self, sha: str) -> Params:
+        """The parameters stored under ``sha``: :class:`PayloadError` if missing or changed,
+        :class:`BadPayload` if they do not decode."""
         if sha in self._cache:
             self._cache.move_to_end(sha)
             return self._cache[sha]
-        with self.store.session() as s:
-            data = s.scalar(select(SS.LedgerPayload.data).where(SS.LedgerPayload.sha256 == sha))
+        data = self._prefetched.get(sha)
         if data is None:
-            raise ChainError(f"run {self.run_id}: payload {sha[:12]} is missing")
+            with self.store.session() as s:
+                data = s.scalar(select(SS.LedgerPayload.data).where(SS.LedgerPayload.sha256 == sha))
+        if data is None:
+            raise PayloadError(f"payload {str(sha)[:12]} is missing")
         if payload_digest(data) != sha:
-            raise ChainError(f"run {self.run_id}: payload {sha[:12]} was changed in the store")
-        params = decode_params(data)
+            raise PayloadError(f"payload sha256 mismatch: the stored parameters ({str(sha)[:12]}) were changed")
+        try:
+            params = decode_params(data)
+        except Exception as e:  # bytes that hash right but do not decode were signed that way
+            raise BadPayload(f"payload does not decode ({type(e).__name__})") from None
         self._cache[sha] = params
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
@@ -373,15 +245,14 @@ class ChainView:
         return self.payload(self.blocks[height].payload_sha256)
 
     def staleness(self, update_height: int) -> int:
-        base = int(self.blocks[update_height].meta["base"])
-        return self.arrival[update_height] - self.model_index[base]
+        f = self.updates[update_height]
+        return f.arrival - self.model_index[f.base]
 
     def update_in(self, height: int) -> UpdateIn:
-        b = self.blocks[height]
-        base = int(b.meta["base"])
-        return UpdateIn(height=height, peer=int(b.meta.get("peer", -1)), params=self.params(height),
-                        base_params=self.params(base), base_index=self.model_index[base],
-                        staleness=self.staleness(height), num_examples=int(b.meta.get("num_examples", 0)))
+        f = self.updates[height]
+        return UpdateIn(height=height, peer=f.peer, params=self.params(height), base_params=self.params(f.base),
+                        base_index=self.model_index[f.base], staleness=f.arrival - self.model_index[f.base],
+                        num_examples=f.num_examples)
 
 
 # -- writing --------------------------------------------------------------------------------------
@@ -466,7 +337,12 @@ def append_member(store: Store, run_id: int, authority: Ed25519PrivateKey, op: s
                   public_key: Any = None, created: float | None = None, max_retries: int = 1000) -> int:
     """Append a member block (``op`` add | remove) signed by the run's authority key; its height.
 
-    Raises :class:`ChainError` with the reason if the chain would reject it."""
+    Raises :class:`ChainError` with the reason if the chain would reject it, or if the run has
+    stopped and recorded its head (a block above it would make ``ledger verify`` fail)."""
+    status, summary = run_summary(store, run_id)
+    if status not in ("starting", "running") and summary is not None and summary.get("head_hash"):
+        raise ChainError(f"run {run_id} has {status}: its chain is closed at the head it recorded (height "
+                         f"{summary.get('height', summary.get('blocks', 0) - 1)}); start a new run")
     meta: dict[str, Any] = {"op": op, "peer": peer}
     if op == "add":
         meta["public_key"] = key_hex(public_key)

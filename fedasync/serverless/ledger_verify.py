@@ -1,47 +1,48 @@
-"""Auditing a ledger: :func:`verify_chain` re-checks everything every block claims.
+"""Auditing a ledger: :func:`verify_chain` re-checks everything every block claims, and checks the
+chain against what the run recorded outside it.
 
-For every height, in order: the height is the next one, the kind is allowed there, ``prev_hash``
+**The blocks.** For every height, in order, the one per-block check every peer runs
+(:func:`fedasync.serverless.ledger_block.check_block`, through a
+:class:`~fedasync.serverless.flchain.ChainView`): the height is the next one, ``prev_hash``
 links to the previous block, the hash recomputes, the signature verifies with the block's key;
-then **who signed** (:class:`fedasync.serverless.flchain.Membership`: the genesis block's members
-and the member blocks since); then the payload: it exists, hashes to ``payload_sha256``, decodes
-to a model of the genesis model's keys, shapes and dtypes and matches ``meta.params_sha256`` (a
-member block's payload is empty); an update's base is an earlier model block with that hash;
-an aggregate names exactly the K oldest pending updates and the latest model as parent, its
-recorded staleness is the chain's, and **its parameters equal FedBuff recomputed from the named
-update blocks, bit for bit**.
+then **who signed** (:class:`~fedasync.serverless.ledger_block.Membership`: the genesis block's
+members and the member blocks since); then the payload: it exists, hashes to ``payload_sha256``,
+decodes to a model of the genesis model's keys, shapes and dtypes and matches
+``meta.params_sha256`` (a member block's payload is empty); an update's base is an earlier model
+block with that hash and its ``num_examples`` a non-negative integer; an aggregate names exactly
+the K oldest pending updates and the latest model as parent, its recorded staleness is the
+chain's, and **its parameters equal FedBuff recomputed from the named update blocks, bit for
+bit**.
 
-A failure of integrity (a link, hash, signature or payload, or an aggregate that does not
-recompute) stops the walk: nothing above it can be trusted. A block that is intact but signed by
-a key that may not sign it (an outsider, a member claiming another peer's id, a removed member)
-is **rejected**: it is reported, and the walk goes on treating it as every peer's
-:class:`~fedasync.serverless.flchain.ChainView` does, as if it were not there, so every later
-aggregate is recomputed without it. The report names the first bad height and why.
+A broken record (a link, hash, signature, or payload bytes missing or changed) stops the walk:
+nothing above it can be trusted. A block that is intact but breaks a rule (a key that may not
+sign it, a bad base, a wrong-shaped payload, an aggregate that does not recompute, ...) is
+**rejected**: it is reported, and the walk goes on treating it as every peer does, as if it
+were not there, so every later aggregate is recomputed without it. The report names the first
+bad height and why.
+
+**The anchors.** A chain that is consistent in itself could still be another run's, or this
+run's cut short. So the genesis block's ``config_sha256``, ``rule`` and ``num_peers`` must match
+the run's own rows (``runs.config_yaml``, ``serverless_runs``); for a run that has stopped and
+recorded its summary, the chain's last block must be the head it recorded (``head_hash`` at
+``height``); ``head`` (``--head``) and ``authority`` (``--authority``) are anchors from outside
+the store: the last block's hash and the genesis signer's key. The report says which anchors
+were checked and when none from outside the store was given.
 """
 
 from __future__ import annotations
 
-import json
-from collections import OrderedDict
+import hashlib
+import re
 from dataclasses import dataclass, field
 
-import numpy as np
 from sqlalchemy import select
 
-from fedasync.server.strategies import params_sha256
-from fedasync.serverless.flchain import (
-    KINDS,
-    ZERO_HASH,
-    ChainError,
-    Membership,
-    block_hash,
-    payload_digest,
-    verify_block_signature,
-)
-from fedasync.serverless.ledger_rule import Rule, UpdateIn, compute_aggregate, same_params
-from fedasync.store import Store, decode_params
+from fedasync.serverless.flchain import ChainView
+from fedasync.serverless.ledger_block import Block, Verdict, check_block
+from fedasync.serverless.runs import run_info, run_summary
+from fedasync.store import Store
 from fedasync.store import serverless_schema as SS
-
-Params = dict[str, np.ndarray]
 
 
 @dataclass
@@ -54,6 +55,9 @@ class VerifyReport:
     reason: str | None = None
     rejected: list[tuple[int, str, str]] = field(default_factory=list)  # (height, kind, why), in order
     fatal: tuple[int, str | None, str] | None = None  # (height, kind, why) where the walk stopped
+    anchor_failures: list[str] = field(default_factory=list)  # the chain is not the one the run recorded
+    anchors: list[str] = field(default_factory=list)  # what it was checked against, outside the blocks
+    outside: bool = False  # an anchor from outside the store (--head, --authority) was checked
 
     def line(self) -> str:
         c = self.counts
@@ -61,7 +65,9 @@ class VerifyReport:
             return (f"OK: ledger of run {self.run_id}: {c['blocks']} blocks (genesis 1, member {c['member']}, update "
                     f"{c['update']}, aggregate {c['aggregate']}), {c['pending']} update(s) pending, {c['members']} "
                     f"member(s), {c['peers']} signer(s), {c['aggregates_recomputed']} aggregate(s) recomputed bit "
-                    "for bit")
+                    f"for bit; {self.anchor_line()}")
+        if self.height is None:  # the blocks are fine: the chain is not the one the run recorded
+            return f"FAIL: ledger of run {self.run_id}: " + "; ".join(self.anchor_failures)
         what = f" ({self.kind})" if self.kind else ""
         out = f"FAIL: ledger of run {self.run_id}: block at height {self.height}{what}: {self.reason}"
         if self.rejected:
@@ -73,42 +79,46 @@ class VerifyReport:
             if self.fatal is not None:
                 fh, fk, fwhy = self.fatal
                 out += f"; and at height {fh}{f' ({fk})' if fk else ''}: {fwhy} (the walk stopped there)"
+        if self.anchor_failures:
+            out += "; and " + "; ".join(self.anchor_failures)
         return out
 
+    def anchor_line(self) -> str:
+        said = "anchored to " + ", ".join(self.anchors) if self.anchors else "not anchored to anything"
+        if not self.outside:
+            said += ("; no outside anchor (the store vouches for itself: pass --head HASH from summary.json or "
+                     "--authority genesis.pub)")
+        return said
 
-def verify_chain(store: Store, run_id: int, batch: int = 200) -> VerifyReport:
-    """Check everything a block claims; the first bad block and why (see the module docstring)."""
+
+HEX = re.compile(r"[0-9a-f]{16,64}")
+
+
+def verify_chain(store: Store, run_id: int, batch: int = 200, head: str | None = None,
+                 authority: str | None = None) -> VerifyReport:
+    """Check everything a block claims, and the chain against the run's records (see the module
+    docstring); the first bad block and why. ``head``: the hash (16 to 64 lowercase hex digits,
+    a prefix) the last block must have; ``authority``: the raw public key (64 hex digits) that
+    must have signed the genesis block."""
+    if head is not None and not HEX.fullmatch(head):
+        raise ValueError(f"--head: {head!r} is not 16 to 64 lowercase hex digits of a block hash")
+    if authority is not None and not re.fullmatch(r"[0-9a-f]{64}", authority):
+        raise ValueError(f"--authority: {authority!r} is not a raw Ed25519 public key (64 lowercase hex digits)")
     counts = {"blocks": 0, "genesis": 0, "member": 0, "update": 0, "aggregate": 0, "pending": 0, "peers": 0,
               "members": 0, "rejected": 0, "aggregates_recomputed": 0, "aggregate_heights": []}
     signers: set[str] = set()
     rejected: list[tuple[int, str, str]] = []
-    members: Membership | None = None
-    spec: list[tuple[str, tuple, str]] | None = None
-    rule: Rule | None = None
-    prev: str = ZERO_HASH
-    models: list[int] = []
-    model_index: dict[int, int] = {}
-    model_params: OrderedDict[int, Params] = OrderedDict()
-    model_sha: dict[int, str] = {}
-    model_hash: dict[int, str] = {}
-    pending: list[int] = []
-    upd: dict[int, dict] = {}  # pending update height -> {params, base, arrival, peer, n}
+    view = ChainView(store, run_id)
+    report = VerifyReport(False, run_id, counts)
 
     def bad(h: int, kind: str | None, why: str) -> VerifyReport:
         if rejected:  # the first bad height is a rejected block; report both
             h0, k0, why0 = rejected[0]
-            return VerifyReport(False, run_id, counts, h0, k0, why0, rejected, (h, kind, why))
-        return VerifyReport(False, run_id, counts, h, kind, why)
-
-    def model(h: int) -> Params:
-        if h not in model_params:
-            with store.session() as s2:
-                data = s2.scalar(select(SS.LedgerPayload.data).where(SS.LedgerPayload.sha256 == model_sha[h]))
-            if data is None or payload_digest(data) != model_sha[h]:
-                raise ChainError(f"the payload of model block {h} changed while it was being verified")
-            model_params[h] = decode_params(data)
-        model_params.move_to_end(h)
-        return model_params[h]
+            report.height, report.kind, report.reason, report.fatal = h0, k0, why0, (h, kind, why)
+        else:
+            report.height, report.kind, report.reason = h, kind, why
+        report.rejected = rejected
+        return report
 
     q = (select(SS.LedgerBlock, SS.LedgerPayload.data)
          .outerjoin(SS.LedgerPayload, SS.LedgerPayload.sha256 == SS.LedgerBlock.payload_sha256)
@@ -116,143 +126,98 @@ def verify_chain(store: Store, run_id: int, batch: int = 200) -> VerifyReport:
     with store.session() as s:
         expected = 0
         for row, data in s.execute(q.execution_options(yield_per=batch)):
-            h, kind = row.height, row.kind
+            h = row.height
             if h != expected:
-                return bad(expected, None, f"missing: the next block stored is at height {h}")
+                return _finish(store, bad(expected, None, f"missing: the next block stored is at height {h}"), view,
+                               head, authority)
             expected += 1
-            if kind not in KINDS:
-                return bad(h, kind, f"unknown kind {kind!r}")
-            if h == 0 and kind != "genesis":
-                return bad(h, kind, "block 0 must be the one genesis block")
-            if row.prev_hash != prev:
-                return bad(h, kind, f"prev_hash {row.prev_hash[:12]} does not match the hash of block {h - 1} "
-                                    f"({prev[:12]}): the chain is broken here")
-            try:
-                recomputed = block_hash(h, row.prev_hash, kind, row.payload_sha256, row.meta_json, row.public_key,
-                                        row.created)
-            except (TypeError, ValueError) as e:
-                return bad(h, kind, f"cannot hash the block ({e})")
-            if recomputed != row.hash:
-                return bad(h, kind, "hash mismatch: the block's contents are not what was hashed and signed")
-            if not verify_block_signature(row.public_key, row.hash, row.signature):
-                return bad(h, kind, f"bad signature (key {row.public_key[:16]})")
-            try:
-                meta = json.loads(row.meta_json)
-                if not isinstance(meta, dict):
-                    raise ValueError("not an object")
-            except ValueError as e:
-                return bad(h, kind, f"meta does not decode ({e})")
-            prev = row.hash
+            b = Block.from_row(row)
+            view._prefetched = {b.payload_sha256: data} if data is not None else {}
+            v: Verdict = check_block(view, b)
+            view._prefetched = {}
+            if v.fatal or (h == 0 and (v.why or v.members_error)):
+                return _finish(store, bad(h, b.kind, v.why or v.members_error), view, head, authority)
+            view.accept(b, v)
             counts["blocks"] += 1
-            # who signed: the genesis block's members, and the member blocks since
-            if h == 0:
-                try:
-                    members = Membership.from_genesis(row.public_key, meta)
-                except ValueError as e:
-                    return bad(h, kind, str(e))
-            else:
-                why = members.check(kind, row.public_key, meta)
-                if why is not None:
-                    rejected.append((h, kind, why))
-                    counts["rejected"] += 1
-                    continue
-            signers.add(row.public_key)
-            counts[kind] += 1
-            if data is None:
-                return bad(h, kind, f"payload {row.payload_sha256[:12]} is missing")
-            if payload_digest(data) != row.payload_sha256:
-                return bad(h, kind, f"payload sha256 mismatch: the stored parameters ({row.payload_sha256[:12]}) "
-                                    "were changed")
-            if kind == "member":
-                if data:
-                    return bad(h, kind, "a member block's payload must be empty")
-                members.apply(h, meta)
+            if v.why is not None:
+                rejected.append((h, b.kind, v.why))
+                counts["rejected"] += 1
                 continue
-            try:
-                params = decode_params(data)
-            except Exception as e:  # a payload that hashes right but does not decode was signed that way
-                return bad(h, kind, f"payload does not decode ({type(e).__name__})")
-            this_spec = [(k, v.shape, v.dtype.str) for k, v in params.items()]
-            if spec is None:
-                spec = this_spec
-            elif this_spec != spec:
-                return bad(h, kind, "payload is not a model of the genesis model's keys, shapes and dtypes")
-            if meta.get("params_sha256") != params_sha256(params):
-                return bad(h, kind, "meta.params_sha256 does not match the payload's parameters")
-
-            if kind == "genesis":
-                try:
-                    rule = Rule.from_dict(meta["rule"])
-                    rule.strategy()
-                except Exception as e:
-                    return bad(h, kind, f"meta.rule is not a valid aggregation rule ({e})")
-                model_index[h] = 0
-                model_sha[h] = row.payload_sha256
-                model_hash[h] = row.hash
-                models.append(h)
-                model_params[h] = params
-            elif kind == "update":
-                try:
-                    base = int(meta["base"])
-                    n = int(meta.get("num_examples", 0))
-                except (KeyError, TypeError, ValueError):
-                    return bad(h, kind, "meta.base (the model block it started from) is missing")
-                if base not in model_index:
-                    return bad(h, kind, f"meta.base {base} is not an earlier model block")
-                if meta.get("base_hash") != model_hash[base]:
-                    return bad(h, kind, f"meta.base_hash does not match block {base}")
-                pending.append(h)
-                upd[h] = {"params": params, "base": base, "arrival": len(models) - 1, "peer": int(meta["peer"]),
-                          "n": n}
-            else:  # aggregate
-                names = meta.get("updates")
-                k = rule.buffer_size
-                if rule.max_aggregates is not None and len(models) - 1 >= rule.max_aggregates:
-                    return bad(h, kind, f"more aggregates than the chain's max_aggregates ({rule.max_aggregates})")
-                if not isinstance(names, list) or names != pending[:k] or len(names) != k:
-                    return bad(h, kind, f"names update blocks {names} but the {k} oldest pending are {pending[:k]}")
-                parent = meta.get("parent")
-                if parent != models[-1]:
-                    return bad(h, kind, f"meta.parent {parent} is not the latest model block ({models[-1]})")
-                try:
-                    ups = [UpdateIn(height=u, peer=upd[u]["peer"], params=upd[u]["params"],
-                                    base_params=model(upd[u]["base"]), base_index=model_index[upd[u]["base"]],
-                                    staleness=upd[u]["arrival"] - model_index[upd[u]["base"]],
-                                    num_examples=upd[u]["n"]) for u in names]
-                except ChainError as e:
-                    return bad(h, kind, str(e))
-                if meta.get("staleness") is not None and meta["staleness"] != [u.staleness for u in ups]:
-                    return bad(h, kind, f"meta.staleness {meta['staleness']} differs from the chain's "
-                                        f"{[u.staleness for u in ups]}")
-                try:
-                    expect = compute_aggregate(rule, model(parent), model_index[parent], ups)
-                except Exception as e:
-                    return bad(h, kind, f"cannot recompute the aggregate ({type(e).__name__}: {e})")
-                if not same_params(expect, params):
-                    diff = max(float(np.max(np.abs(expect[k].astype(np.float64) - params[k].astype(np.float64))))
-                               for k in expect)
-                    return bad(h, kind, f"parameters differ from the FedBuff aggregate recomputed from update "
-                                        f"blocks {names} (max |difference| {diff:.3g})")
+            signers.add(b.public_key)
+            counts[b.kind] += 1
+            if v.recomputed:
                 counts["aggregates_recomputed"] += 1
                 counts["aggregate_heights"].append(h)
-                pending = pending[k:]
-                for u in names:
-                    del upd[u]
-                model_index[h] = len(models)
-                model_sha[h] = row.payload_sha256
-                model_hash[h] = row.hash
-                models.append(h)
-                model_params[h] = params
-                # a later update may name any earlier model block as its base: keep the recent
-                # models in memory and reload older ones from the store (re-checking their hash)
-                while len(model_params) > 64:
-                    model_params.popitem(last=False)
         if expected == 0:
-            return bad(0, None, "the chain is empty (no genesis block)")
-    counts["pending"] = len(pending)
+            return _finish(store, bad(0, None, "the chain is empty (no genesis block)"), view, head, authority)
+    counts["pending"] = len(view.pending)
     counts["peers"] = len(signers)
-    counts["members"] = len(members.by_peer) if members is not None else 0
+    counts["members"] = len(view.members.by_peer) if view.members is not None else 0
     if rejected:
         h0, k0, why0 = rejected[0]
-        return VerifyReport(False, run_id, counts, h0, k0, why0, rejected)
-    return VerifyReport(True, run_id, counts)
+        report.height, report.kind, report.reason, report.rejected = h0, k0, why0, rejected
+    else:
+        report.ok = True
+    return _finish(store, report, view, head, authority)
+
+
+def _finish(store: Store, report: VerifyReport, view: ChainView, head: str | None,
+            authority: str | None) -> VerifyReport:
+    """Check the chain against the run's rows, its recorded head and the outside anchors given."""
+    fails, said = report.anchor_failures, report.anchors
+    run_id = report.run_id
+    info = run_info(store, run_id)
+    with store.session() as s:
+        rows = list(s.execute(select(SS.LedgerBlock.height, SS.LedgerBlock.hash)
+                              .where(SS.LedgerBlock.run_id == run_id)
+                              .order_by(SS.LedgerBlock.height.desc()).limit(1)))
+        g = s.execute(select(SS.LedgerBlock.public_key).where(SS.LedgerBlock.run_id == run_id,
+                                                              SS.LedgerBlock.height == 0)).first()
+    last = (rows[0].height, rows[0].hash) if rows else None
+    genesis = view.blocks[0] if view.blocks and view.blocks[0].meta_error is None else None
+    if genesis is not None:
+        m = genesis.meta
+        want = hashlib.sha256(info.config_yaml.encode()).hexdigest()
+        if m.get("config_sha256") != want:
+            fails.append(f"the genesis block's config_sha256 {str(m.get('config_sha256'))[:16]} is not the run's "
+                         f"config (runs.config_yaml hashes to {want[:16]}): this chain is not run {run_id}'s")
+        if "rule" in info.settings and m.get("rule") != info.settings["rule"]:
+            fails.append(f"the genesis block's rule {m.get('rule')} is not the run's ({info.settings['rule']})")
+        if m.get("num_peers") != info.num_peers:
+            fails.append(f"the genesis block's num_peers {m.get('num_peers')!r} is not the run's ({info.num_peers})")
+        said.append(f"run {run_id}'s config, rule and peers")
+    status, summary = run_summary(store, run_id)
+    rec_hash = summary.get("head_hash") if isinstance(summary, dict) else None
+    rec_height = summary.get("height", summary.get("blocks", 0) - 1) if isinstance(summary, dict) else None
+    if status in ("starting", "running"):
+        said.append(f"no recorded head (the run is {status})")
+    elif not isinstance(rec_hash, str) or not isinstance(rec_height, int):
+        said.append(f"no recorded head (the run is {status} and recorded no summary)")
+    elif last is None or last[0] < rec_height:
+        have = "no block" if last is None else f"height {last[0]}"
+        fails.append(f"the chain ends at {have}, but the run recorded its head at height {rec_height} "
+                     f"({rec_hash[:16]}) when it {status}: blocks are missing at the end")
+    elif last[0] > rec_height:
+        fails.append(f"{last[0] - rec_height} block(s) above the head the run recorded when it {status} "
+                     f"(height {rec_height}, {rec_hash[:16]}); the chain now ends at height {last[0]}")
+    elif last[1] != rec_hash:
+        fails.append(f"the last block (height {last[0]}) has hash {last[1][:16]}, not the head the run recorded "
+                     f"when it {status} ({rec_hash[:16]})")
+    else:
+        said.append(f"the head it recorded when it {status} (height {rec_height})")
+    if head is not None:
+        report.outside = True
+        if last is None or not last[1].startswith(head):
+            fails.append(f"the last block's hash {last[1][:16] if last else '(none)'} is not --head {head[:16]}")
+        else:
+            said.append(f"--head {head[:16]}")
+    if authority is not None:
+        report.outside = True
+        if g is None or g.public_key != authority:
+            fails.append(f"the genesis block is signed by {g.public_key[:16] if g else '(none)'}, not by --authority "
+                         f"{authority[:16]}")
+        else:
+            said.append(f"--authority {authority[:16]}")
+    if fails:
+        report.ok = False
+    return report

@@ -140,7 +140,8 @@ def ledger_summary(cfg: Config, store: Store, run_id: int, view, history: list[d
         "target_accuracy": cfg.server.target_accuracy,
         "time_to_target_s": None if time_to_target is None else round(time_to_target, 6),
         "staleness": {k: v for k, v in stats(stal).items()},
-        "model_sha256": params_sha256(head_params), "head_hash": view.head.hash, "store_url": store.url,
+        "model_sha256": params_sha256(head_params), "head_hash": view.head.hash, "height": view.height,
+        "store_url": store.url,
         "stop_reason": stop_reason, "history": history,
     }
     if privacy is not None:

@@ -73,6 +73,19 @@ def run_info(store: Store, run_id: int) -> RunInfo:
                        run.status, run.config_yaml)
 
 
+def run_summary(store: Store, run_id: int) -> tuple[str, dict | None]:
+    """The run's status and the summary it recorded when it stopped (None: none, or not JSON)."""
+    with store.session() as s:
+        row = s.execute(select(S.Run.status, S.Run.summary_json).where(S.Run.id == run_id)).first()
+    if row is None:
+        raise ServerlessError(f"--run-id: no run {run_id} in {store.url}")
+    try:
+        summary = json.loads(row.summary_json) if row.summary_json else None
+    except ValueError:
+        summary = None
+    return str(row.status), summary if isinstance(summary, dict) else None
+
+
 def find_run(store: Store, kind: str, run_id: int | None = None, running_only: bool = False) -> int:
     """``run_id`` checked to be a ``kind`` run, or the newest ``kind`` run (still running if asked)."""
     with store.session() as s:
