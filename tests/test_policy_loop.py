@@ -514,3 +514,22 @@ def test_kardam_keeps_no_updates_when_the_store_keeps_no_parameters(tmp_path):
     assert store.filter_updates(off["run_id"]) == []
     assert off["model_sha256"] == on["model_sha256"]  # the same decisions either way
     assert len(store_on.filter_updates(on["run_id"])) == len({u.client_id for u in store_on.updates(on["run_id"])}) > 0
+
+
+def test_retention_keeps_the_version_zenos_validation_gradient_was_computed_at(tmp_path):
+    # zeno++ refreshes its validation gradient every 6 versions; a resume recomputes it at the
+    # version the loop state names, so the store must still hold that version's parameters
+    from fedasync.store import loads_state
+
+    cfg = small_config("server.strategy=fedasync", "server.robust.filter=zeno++", "server.robust.refresh=6",
+                       "store.checkpoint_every=0")
+    store = Store(f"sqlite:///{tmp_path / 'crash'}.db")
+    server = AsyncServer(cfg, LocalTransport(), store, clock="virtual")
+    crash_after(store, "record_reply", 11)
+    with pytest.raises(Crash):
+        server.run()
+    store2 = Store(f"sqlite:///{tmp_path / 'crash'}.db")
+    run = store2.get_run(server.run_id)
+    v = loads_state(run.loop_state)["policy"]["zeno_v_version"]
+    assert v is not None and v < run.current_version  # an older version than the latest
+    assert v in store2.versions_with_parameters(server.run_id)

@@ -514,3 +514,50 @@ def test_deployment_stop_request_through_the_store(tmp_path):
     run = store.get_run(summary["run_id"])
     assert (run.status, run.stop_reason) == ("stopped", "interrupted")
     check_invariants(store, summary)
+
+
+@pytest.mark.parametrize("clock", ["wall", "virtual"])
+def test_an_abrupt_stop_after_an_uncommitted_version_keeps_the_stored_one_resumable(tmp_path, clock):
+    # a second Ctrl-C lands between the loop making a version and recording the reply that made
+    # it: the run must end with the store's current version (its parameters kept, the summary's
+    # model that one), and resume
+    cfg = make_cfg("fedasync", store={"checkpoint_every": 0}, server={"poll_interval": 0.01})
+    store = store_at(tmp_path / "s.db")
+    server = AsyncServer(cfg, LocalTransport(), store, clock=clock,
+                         mode="deployment" if clock == "wall" else "simulation")
+    orig, calls = server.policy.on_reply, [0]
+
+    def on_reply(*a, **k):  # called in _take after the new version, before record_reply
+        calls[0] += 1
+        if calls[0] == 6:
+            raise KeyboardInterrupt
+        return orig(*a, **k)
+
+    server.policy.on_reply = on_reply
+    summary = server.run()
+    assert summary["stop_reason"] == "interrupted"
+    store2 = store_at(tmp_path / "s.db")
+    run = store2.get_run(server.run_id)
+    assert summary["versions"] == run.current_version
+    assert run.current_version in store2.versions_with_parameters(server.run_id)
+    assert summary["model_sha256"] == store2.versions(server.run_id)[-1].sha256
+    check_invariants(store2, summary)
+    AsyncServer(cfg, LocalTransport(), store2, clock=clock, mode="deployment" if clock == "wall" else "simulation",
+                resume_run_id=server.run_id)  # resumable
+
+
+def test_a_kill_right_after_the_target_is_reached_keeps_time_to_target(tmp_path):
+    # time_to_target is set by the evaluation after the step's loop state was written: a kill
+    # before the next write must not lose it (the resume recomputes it from the stored accuracies)
+    cfg = make_cfg("fedasync", server={"max_versions": 40, "eval_every": 1, "target_accuracy": 0.5,
+                                       "stop_at_target": True}, train={"local_steps": 20, "batch_size": 16, "lr": 0.2})
+    ref = AsyncServer(cfg, LocalTransport(), store_at(tmp_path / "ref.db")).run()
+    assert ref["stop_reason"] == "target_accuracy" and ref["time_to_target_s"] is not None
+    store = store_at(tmp_path / "c.db")
+    crash_at(store, "mark_in_flight", 1, True)  # after the target step committed, before _finish writes
+    server = AsyncServer(cfg, LocalTransport(), store)
+    with pytest.raises(Crash):
+        server.run()
+    out = AsyncServer(cfg, LocalTransport(), store_at(tmp_path / "c.db"), resume_run_id=server.run_id).run()
+    for k in ("stop_reason", "versions", "time_to_target_s", "model_sha256"):
+        assert out[k] == ref[k], k

@@ -447,3 +447,19 @@ def test_reply_digests_inline_threaded_and_from_the_signature_check():
     finally:
         d.close()
     assert d._pool is None
+
+
+@pytest.mark.parametrize("n,bad", [(5, False), (0, False), (2**31 - 1, False), (3.0, False), (None, False),
+                                   (2**31, True), (-1, True), (2.5, True), ("7", True), (True, True),
+                                   (float("inf"), True), (float("nan"), True)])
+def test_a_num_examples_out_of_range_is_rejected_with_its_reason(n, bad):
+    # the store's column is a 32-bit integer: PostgreSQL would refuse the row and stop the run
+    v = UpdateValidator(REF, ServerConfig())
+    metrics = {} if n is None else {"num_examples": n}
+    reply = Reply(task_id=1, params={k: a.copy() for k, a in REF.items()}, metrics=metrics)
+    assert v.check(reply, _Live(1, 0, 0), 0) == ("bad_num_examples" if bad else None)
+
+
+def test_a_refusal_reason_is_cut_to_its_column():
+    assert len(Reply(task_id=1, refused="x" * 500).refused) == 200
+    assert Reply(task_id=1, refused="privacy_budget_exhausted").refused == "privacy_budget_exhausted"

@@ -197,7 +197,7 @@ class AsyncServer:
                         self._step_wall()
         except KeyboardInterrupt:
             self.stop_reason = "interrupted"
-            resume.sync_counts(self)  # an abrupt stop may leave counters ahead of the store
+            resume.stopped_abruptly(self)  # the loop may be ahead of the store: back to what it holds
             return self._finish("stopped")
         return self._finish("stopped" if self.stop_reason == "interrupted" else "finished")
 

@@ -184,11 +184,14 @@ class Policies:
             self._sent = {t: v for t, v in self._sent.items() if t in live}
 
     def held_versions(self) -> set[int]:
-        """Versions whose parameters a resume needs (the store keeps them): for the attack, and
-        kardam's base models of the updates it remembers (at most one per client)."""
+        """Versions whose parameters a resume needs (the store keeps them): for the attack,
+        kardam's base models of the updates it remembers (at most one per client), and the version
+        zeno++'s validation gradient was computed at (a resume recomputes it there)."""
         held = set(self._old) | set(self._sent.values())
         if isinstance(self.filter, robust.Kardam):
             held |= set(self.filter.models)
+        elif isinstance(self.filter, robust.ZenoPlusPlus) and self.filter.v_version is not None:
+            held.add(int(self.filter.v_version))
         return held
 
     def task_config(self, client: int) -> dict[str, Any]:

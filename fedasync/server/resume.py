@@ -85,10 +85,7 @@ def restore(srv: AsyncServer, run_id: int) -> None:
     srv.policy.restore_filter(store.filter_updates(run_id), lambda v: store.load_version(run_id, v)[1])
     srv.retention = Retention(srv.cfg.store.checkpoint_every, srv.cfg.store.save_parameters,
                               held=store.versions_with_parameters(run_id), keep_last=srv.cfg.server.average_last)
-    # server.average_last: the versions whose mean the server evaluates (retention kept them)
-    n = srv.cfg.server.average_last
-    srv.tail = Tail(n, [store.load_version(run_id, v)[1] for v in range(max(0, srv.version - n + 1), srv.version)])
-    srv.tail.append(srv.params)
+    _load_tail(srv)
     # re-add the accepted updates that were still buffered (none produced a version yet)
     for u, params in store.pending_updates(run_id):
         srv.retention.buffered(u.task_id, u.base_version)
@@ -123,8 +120,31 @@ def restore(srv: AsyncServer, run_id: int) -> None:
         if v.accuracy is not None:
             srv.history.append({"version": v.version, "virtual_time_s": round(v.created_virtual, 6),
                                 "accuracy": v.accuracy, "loss": v.loss})
+    target = srv.cfg.server.target_accuracy
+    if target is not None and srv.time_to_target is None:  # killed before a loop state held it
+        srv.time_to_target = next((h["virtual_time_s"] for h in srv.history if h["accuracy"] >= target), None)
     store.set_run_status(run_id, "running")
     log.info("resumed run %d at version %d (%d in-flight tasks re-dispatched)", run_id, srv.version, len(pending))
+
+
+def _load_tail(srv: AsyncServer) -> None:
+    """``server.average_last``: the versions whose mean the server evaluates (retention kept them)."""
+    n, store, run_id = srv.cfg.server.average_last, srv.store, srv.run_id
+    srv.tail = Tail(n, [store.load_version(run_id, v)[1] for v in range(max(0, srv.version - n + 1), srv.version)])
+    srv.tail.append(srv.params)
+
+
+def stopped_abruptly(srv: AsyncServer) -> None:
+    """After an abrupt stop (a second Ctrl-C) the loop may be ahead of the store: a version made in
+    memory whose reply was never recorded. The run ends with what the store holds: its counts, and
+    its current version (retention then keeps that version's parameters for a resume, and the
+    evaluation and the summary speak of it)."""
+    sync_counts(srv)
+    stored = srv.store.get_run(srv.run_id).current_version
+    if stored != srv.version and srv.cfg.store.save_parameters:
+        srv.version, srv.params = srv.store.load_version(srv.run_id)
+        srv.history = [h for h in srv.history if h["version"] <= srv.version]
+        _load_tail(srv)
 
 
 def sync_counts(srv: AsyncServer) -> None:

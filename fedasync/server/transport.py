@@ -57,6 +57,10 @@ class Reply:
     arrival_wall: float = field(default_factory=time.time)
     params_sha256: str | None = None  # set by whoever hashed ``params`` first (the signature check)
 
+    def __post_init__(self) -> None:  # what a client says is recorded in columns of bounded length
+        if self.refused is not None:
+            self.refused = str(self.refused)[:200]
+
 
 class Transport(Protocol):
     """``poll`` returns replies for (some of) ``message_ids``; anything else it returns is treated

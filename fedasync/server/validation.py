@@ -46,8 +46,23 @@ SignatureCheck = Callable[[Any, Any, int], str | None]
 
 REASONS = (
     "missing_params", "missing_key", "extra_key", "bad_shape", "bad_dtype", "non_finite",
-    "norm_exceeded", "stale", "bad_signature", "unknown_client", "replay", "late",
+    "norm_exceeded", "stale", "bad_signature", "unknown_client", "replay", "late", "bad_num_examples",
 )
+
+#: the largest ``num_examples`` a reply may report (the store's integer column)
+MAX_EXAMPLES = 2**31 - 1
+
+
+def bad_num_examples(metrics: Any) -> bool:
+    """Whether a reply reports a ``num_examples`` that is not a whole number in 0..MAX_EXAMPLES
+    (absent is fine: the weight is then 0)."""
+    x = metrics.get("num_examples") if isinstance(metrics, Mapping) else None
+    if x is None:
+        return False
+    try:
+        return isinstance(x, bool) or not (0 <= x <= MAX_EXAMPLES and int(x) == x)
+    except (TypeError, ValueError, OverflowError):
+        return True
 
 
 def all_finite(a: np.ndarray) -> bool:
@@ -146,6 +161,8 @@ class UpdateValidator:
             return reason
         if reply.params is None:
             return "missing_params"
+        if bad_num_examples(getattr(reply, "metrics", None)):
+            return "bad_num_examples"
         reason = self.check_signature(reply, live, run_id)
         if reason:
             return reason
