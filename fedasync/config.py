@@ -301,7 +301,7 @@ class AttackConfig(_Section):
 
 class Config(_Section):
     name: str = "fedasync"
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)  # numpy's and sklearn's seeds: 0 .. 2**32 - 1
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()

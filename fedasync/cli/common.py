@@ -7,10 +7,12 @@ import logging
 import os
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -21,9 +23,27 @@ err_console = Console(stderr=True)
 
 
 def fail(message: str, code: int = 2) -> "typer.Exit":
-    """Print one line to stderr and exit with ``code`` (2: bad input)."""
-    err_console.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+    """Print one line to stderr and exit with ``code`` (2: bad input).  ``message`` is plain text:
+    brackets in it (``x[train]``, ``[/x]``) are printed as they are, never read as rich markup."""
+    err_console.print(f"[red]error:[/red] {escape(str(message))}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def out_dir_problem(out: Path | None, resume: int | None) -> str | None:
+    """Why ``--out`` cannot take a new run (one line naming ``--out``), or None."""
+    if out is None:
+        return None
+    try:
+        for p in (out, *out.parents):  # a file at --out or above it: mkdir would raise NotADirectoryError
+            if p.exists() and not p.is_dir():
+                return f"--out: {p} is not a directory" if p == out else f"--out: {out}: {p} is not a directory"
+            if p.exists():
+                break
+        if resume is None and out.exists() and any(out.iterdir()):
+            return f"--out: {out} exists and is not empty"
+    except OSError as e:  # no permission to look
+        return f"--out: {out}: {e.strerror or e}"
+    return None
 
 
 def load_or_exit(path: str | None, overrides: list[str] | None) -> Config:
@@ -127,10 +147,10 @@ def progress_bars() -> Iterator[Progress]:
 
 def summary_table(rows: dict[str, dict], title: str) -> Table:
     """One column per run, one row per figure: readable in 80 columns for a handful of runs."""
-    t = Table(title=title)
+    t = Table(title=escape(title))  # the title holds the config's name: plain text, not markup
     t.add_column("")
     for label in rows:
-        t.add_column(label, justify="right")
+        t.add_column(escape(label), justify="right")
 
     def fmt(x, spec: str) -> str:
         return "-" if x is None else format(x, spec)

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from fedasync.cli.common import (RunProgress, check_store_or_exit, console, data_or_exit, fail, load_or_exit,
-                                 progress_bars, quiet_flower, summary_table)
+                                 out_dir_problem, progress_bars, quiet_flower, summary_table)
 from fedasync.config import Config, ConfigError, apply_overrides, config_from_dict
 from fedasync.runs import RunError, resume_config, run_configs
 
@@ -75,16 +76,21 @@ def simulate(
     if backend not in ("flower", "local"):
         fail(f"--backend: {backend!r} is not one of flower, local")
     data_or_exit(cfg)  # data and model (the --compare entries differ only in server)
-    if resume is None and out is not None and out.exists() and any(out.iterdir()):
-        fail(f"--out: {out} exists and is not empty")
+    out_problem = out_dir_problem(out, resume)
+    if out_problem:
+        fail(out_problem)
     for label, c in configs:  # a store that cannot be opened: one line, before anything is written
         check_store_or_exit(c.store.url, "store.url")
     # nothing is written before every input has been checked
     from fedasync.outputs import new_run_dir, write_comparison
 
-    if out is None:
-        out = new_run_dir(Path("runs"), cfg.name)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        if out is None:
+            out = new_run_dir(Path("runs"), cfg.name)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file on the way, no permission: one line (nothing written yet)
+        where = out if out is not None else "runs (the default)"
+        fail(f"--out: {where}: cannot create the directory ({e.strerror or e})")
     out_dirs = {label: (out / label if compare else out) for label, _ in configs}
     quiet_flower(verbose)
     t0 = time.time()
@@ -95,21 +101,22 @@ def simulate(
     for label, s in summaries.items():  # privacy spent (DP runs)
         p = s.get("privacy")
         if p and p.get("epsilon_max") is not None:
-            console.print(f"{label} privacy ({p['accountant']}, δ={p['delta']:g}): ε max {p['epsilon_max']:.3f}, "
-                          f"mean {p['epsilon_mean']:.3f}; {p['clients_exhausted']} of {s['num_clients']} clients "
-                          f"exhausted; stopped: {s['stop_reason']}", highlight=False)
+            console.print(f"{escape(label)} privacy ({p['accountant']}, δ={p['delta']:g}): "
+                          f"ε max {p['epsilon_max']:.3f}, mean {p['epsilon_mean']:.3f}; {p['clients_exhausted']} "
+                          f"of {s['num_clients']} clients exhausted; stopped: {s['stop_reason']}", highlight=False)
     if compare:
         paths = write_comparison(out, summaries, cfg.server.target_accuracy)
         ratios = json.loads(paths["comparison"].read_text())["time_to_target_ratio"]
         first = configs[0][0]
-        console.print("time-to-target ratio vs " + first + ": " + ", ".join(
-            f"{k}={'-' if v is None else f'{v:.2f}'}" for k, v in ratios.items()))
-        console.print(f"wrote {paths['comparison']} and {paths['plot']}")
+        console.print(escape("time-to-target ratio vs " + first + ": " + ", ".join(
+            f"{k}={'-' if v is None else f'{v:.2f}'}" for k, v in ratios.items())))
+        console.print(escape(f"wrote {paths['comparison']} and {paths['plot']}"))
     for label, d in out_dirs.items():
         s = summaries[label]
-        console.print(f"[bold]{label}[/bold]: {d / 'summary.json'}, {d / 'history.csv'}, "
-                      f"{d / 'accuracy.png'}, {d / 'participation.png'}, {d / 'config.yaml'}; store {s['store_url']}")
+        console.print(f"[bold]{escape(label)}[/bold]: " + escape(
+            f"{d / 'summary.json'}, {d / 'history.csv'}, {d / 'accuracy.png'}, {d / 'participation.png'}, "
+            f"{d / 'config.yaml'}; store {s['store_url']}"))
     for label, s in summaries.items():
         if s["stop_reason"] == "interrupted":
-            console.print(f"{label}: stopped; continue with --resume {s['run_id']} --out {out_dirs[label]}")
+            console.print(escape(f"{label}: stopped; continue with --resume {s['run_id']} --out {out_dirs[label]}"))
     console.print(f"done in {time.time() - t0:.1f} s")

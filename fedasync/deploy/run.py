@@ -64,8 +64,21 @@ def resolve_tls(superlink: Optional[str], certs: Optional[Path], ssl_certfile: O
 
 
 def check_out_dir(out: Optional[Path], resume: Optional[int]) -> None:
-    if resume is None and out is not None and out.exists() and any(out.iterdir()):
-        raise DeployError(f"--out: {out} exists and is not empty")
+    """DeployError (one line naming ``--out``) when ``out`` cannot take the run: a file at it or
+    above it, or (no ``resume``) a directory that is not empty."""
+    if out is None:
+        return
+    try:
+        for p in (out, *out.parents):
+            if p.exists() and not p.is_dir():
+                raise DeployError(f"--out: {p} is not a directory" if p == out
+                                  else f"--out: {out}: {p} is not a directory")
+            if p.exists():
+                break
+        if resume is None and out.exists() and any(out.iterdir()):
+            raise DeployError(f"--out: {out} exists and is not empty")
+    except OSError as e:
+        raise DeployError(f"--out: {out}: {e.strerror or e}") from None
 
 
 class ServerRun:
@@ -80,10 +93,14 @@ class ServerRun:
         self.cfg, self.resume, self.host, self.port, self.superlink = cfg, resume, host, port, superlink
         self.tls, self.auth_keys, self.public_keys = tls, auth_keys, public_keys
         self.say, self.warn = say, warn
-        if out is None:
-            out = new_run_dir(Path("runs"), cfg.name)
-        self.out = out.resolve()
-        self.out.mkdir(parents=True, exist_ok=True)
+        try:
+            if out is None:
+                out = new_run_dir(Path("runs"), cfg.name)
+            self.out = out.resolve()
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DeployError(f"--out: {out if out is not None else 'runs (the default)'}: cannot create the "
+                              f"directory ({e.strerror or e})") from None
         (self.out / "server-status.json").unlink(missing_ok=True)
         self.home = Path(os.environ["FLWR_HOME"]) if os.environ.get("FLWR_HOME") else self.out / "flwr"
         self.home.mkdir(parents=True, exist_ok=True)

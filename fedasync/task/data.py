@@ -99,14 +99,15 @@ def _make_partitioner(cfg: DataConfig, seed: int, min_partition_size: int | None
 
     if cfg.partitioner == "iid":
         return IidPartitioner(num_partitions=cfg.num_clients)
+    label = cfg.label_column if cfg.dataset == "hub" else "label"  # hub: the data set's own column
     if cfg.partitioner == "shard":
-        return ShardPartitioner(num_partitions=cfg.num_clients, partition_by="label",
+        return ShardPartitioner(num_partitions=cfg.num_clients, partition_by=label,
                                 num_shards_per_partition=cfg.shards_per_client, shuffle=True, seed=seed)
     if cfg.partitioner == "natural":
         return NaturalIdPartitioner(partition_by="group" if cfg.dataset != "hub" else str(cfg.partition_column))
     return DirichletPartitioner(
         num_partitions=cfg.num_clients,
-        partition_by="label",
+        partition_by=label,
         alpha=cfg.alpha,
         min_partition_size=cfg.min_partition_size if min_partition_size is None else min_partition_size,
         self_balancing=True,
@@ -132,6 +133,19 @@ def _repair_min_size(parts: list[np.ndarray], min_size: int) -> list[np.ndarray]
                 raise ValueError("cannot satisfy min_partition_size")
             lists[i].append(lists[donor].pop())
     return [np.asarray(p, dtype=np.int64) for p in lists]
+
+
+def _warn_dropped(cfg: DataConfig, n: int, parts: list[np.ndarray]) -> None:
+    """``shard``: flwr-datasets' ShardPartitioner cuts ``num_clients * shards_per_client`` shards of
+    ``n // (num_clients * shards_per_client)`` samples and leaves the rest out (its
+    ``keep_incomplete_shard`` does not change that when the number of shards per client is given):
+    say how many, once."""
+    used = sum(len(p) for p in parts)
+    if used < n:
+        shards = cfg.num_clients * cfg.shards_per_client
+        log.warning("data.partitioner: shard leaves %d of %d training samples (%.0f%%) unused: %d clients x %d "
+                    "shards of %d samples (fewer clients or shards_per_client use more of them)", n - used, n,
+                    100 * (n - used) / n, cfg.num_clients, cfg.shards_per_client, n // shards)
 
 
 def partition_labels(cfg: DataConfig, seed: int, labels: np.ndarray,
@@ -193,6 +207,8 @@ def partition_labels(cfg: DataConfig, seed: int, labels: np.ndarray,
             partitioner = _make_partitioner(cfg, seed, min_partition_size=0)
             partitioner.dataset = ds
             parts = _repair_min_size(_partition_indices(partitioner, cfg.num_clients), cfg.min_partition_size)
+    if cfg.partitioner == "shard":
+        _warn_dropped(cfg, n, parts)
     retries = sum("min_partition_size" in str(w.message) for w in caught)
     if retries:
         log.debug("DirichletPartitioner resampled %d time(s) to satisfy min_partition_size", retries)
@@ -224,6 +240,26 @@ def stratified_split(y: np.ndarray, test_fraction: float, seed: int) -> tuple[np
     return np.asarray(train_idx, dtype=np.int64), np.asarray(test_idx, dtype=np.int64)
 
 
+def subsample_test(y: np.ndarray, k: int, num_classes: int, seed: int) -> np.ndarray:
+    """``data.test_samples``: indices of exactly ``k`` of the test samples ``y`` (``k < len(y)``),
+    seeded: stratified by label when that is possible (sklearn's ``train_test_split`` with the
+    count ``k``), else (fewer samples than classes, a class with a single sample, ``k`` close to
+    ``len(y)``) a seeded random pick."""
+    from sklearn.model_selection import train_test_split
+
+    if k >= num_classes:
+        try:
+            return np.asarray(train_test_split(np.arange(len(y)), test_size=int(k), random_state=seed,
+                                               stratify=y, shuffle=True)[1], dtype=np.int64)
+        except ValueError as err:
+            log.info("data.test_samples: %d of %d test samples cannot be stratified (%s); picking them at random",
+                     k, len(y), err)
+    keep = np.random.default_rng(seed).permutation(len(y))[:k]
+    if len(keep) != k:  # pragma: no cover - k < len(y)
+        raise ValueError(f"data.test_samples: cannot pick {k} of {len(y)} test samples")
+    return keep
+
+
 def _split_and_partition(cfg: DataConfig, seed: int, x: np.ndarray, y: np.ndarray,
                          groups: np.ndarray | None = None, x_test: np.ndarray | None = None,
                          y_test: np.ndarray | None = None) -> FederatedData:
@@ -235,9 +271,8 @@ def _split_and_partition(cfg: DataConfig, seed: int, x: np.ndarray, y: np.ndarra
                                         x[test_idx], y[test_idx])
     num_classes = num_classes_of(cfg, y, y_test)
     if cfg.test_samples is not None and cfg.test_samples < len(y_test):
-        keep = stratified_split(y_test, cfg.test_samples / len(y_test), seed)[1] \
-            if cfg.test_samples >= num_classes else np.random.default_rng(seed).permutation(len(y_test))[:cfg.test_samples]
-        x_test, y_test = x_test[np.sort(keep)], y_test[np.sort(keep)]
+        keep = np.sort(subsample_test(y_test, cfg.test_samples, num_classes, seed))
+        x_test, y_test = x_test[keep], y_test[keep]
     parts = partition_labels(cfg, seed, y, groups)
     empty = [i for i, p in enumerate(parts) if len(p) == 0]
     if empty:
@@ -252,21 +287,31 @@ def _split_and_partition(cfg: DataConfig, seed: int, x: np.ndarray, y: np.ndarra
     )
 
 
-def _hub_to_numpy(ds, label_col: str) -> tuple[np.ndarray, np.ndarray]:
-    cols = [c for c in ds.column_names if c != label_col]
-    preferred = [c for c in ("image", "img", "pixel_values", "x", "features") if c in cols]
-    if not cols:
-        raise ValueError(f"data.hub_name: the data set has no feature column besides {label_col!r}")
-    feat = (preferred or cols)[0]
+def _hub_arrays(ds, cfg: DataConfig, feat, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """(raw features, labels) of a Hugging Face split or partition; ``feat`` from the training split."""
+    from fedasync.task.files import _stack, as_labels
+
+    cols = list(ds.column_names)
+    for c in [cfg.label_column] + ([feat] if isinstance(feat, str) else list(feat)):
+        if c not in cols:
+            key = "data.label_column" if c == cfg.label_column else "data.feature_column"
+            raise ValueError(f"{key}: {where} has no column {c!r} (has {cols})")
     npds = ds.with_format("numpy")
-    x = np.asarray(npds[feat])
-    y = np.asarray(npds[label_col]).astype(np.int64)
-    x = x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else x.astype(np.float32)
-    return x, y
+    if isinstance(feat, list):
+        x = np.stack([np.asarray(npds[c]) for c in feat], axis=1)
+    else:
+        x = npds[feat]
+        if not isinstance(x, np.ndarray) or x.dtype == object:
+            x = _stack(list(x), "data.feature_column", where)
+    return np.asarray(x), as_labels(npds[cfg.label_column], where)
 
 
 def _load_hub(cfg: DataConfig, seed: int) -> FederatedData:
-    """A Hugging Face data set with a ``label`` column and ``train``/``test`` splits (needs network)."""
+    """A Hugging Face data set with ``train``/``test`` splits (needs network).  ``data.label_column``,
+    ``data.feature_column``, ``data.shape``, ``data.num_classes`` and ``data.test_samples`` apply as
+    for ``files``; pixel scaling is decided once on the whole training split."""
+    from fedasync.task.files import _feature_column, _features, num_classes_of, pixel_scale
+
     if not cfg.hub_name:
         raise ValueError("data.hub_name: needed when data.dataset is hub")
     try:
@@ -277,19 +322,33 @@ def _load_hub(cfg: DataConfig, seed: int) -> FederatedData:
         )
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*min_partition_size.*")
-            partitions = [_hub_to_numpy(fds.load_partition(i, "train"), "label") for i in range(cfg.num_clients)]
-        x_test, y_test = _hub_to_numpy(fds.load_split("test"), "label")
+            parts = [fds.load_partition(i, "train") for i in range(cfg.num_clients)]
+        test = fds.load_split("test")
     except Exception as err:
         raise RuntimeError(
             f"data.hub_name: could not load Hugging Face data set {cfg.hub_name!r} "
-            f"(it needs network access, a 'label' column and 'train'/'test' splits; a local file or folder "
-            f"belongs to data.dataset: files with data.path): "
+            f"(it needs network access, a {cfg.label_column!r} column and 'train'/'test' splits; a local file or "
+            f"folder belongs to data.dataset: files with data.path): "
             f"{type(err).__name__}: {err}"
         ) from err
-    empty = [i for i, (_, y) in enumerate(partitions) if len(y) == 0]
+    empty = [i for i, part in enumerate(parts) if len(part) == 0]
     if empty:
         raise ValueError(f"data.hub_name: clients {empty[:10]} got no samples")
-    num_classes = int(max(int(y_test.max()), *(int(y.max()) for _, y in partitions))) + 1
+    where = f"{cfg.hub_name} (train)"
+    cols = list(parts[0].column_names)
+    if cfg.label_column not in cols:
+        raise ValueError(f"data.label_column: {where} has no column {cfg.label_column!r} (has {cols})")
+    feat = _feature_column(cfg, cols, where)
+    raw = [_hub_arrays(part, cfg, feat, where) for part in parts]
+    x_test, y_test = _hub_arrays(test, cfg, feat, f"{cfg.hub_name} (test)")
+    scale = pixel_scale(*(x for x, _ in raw))  # once, on the training split: the test split gets the same
+    partitions = [(_features(x, cfg, where, scale)[0], y) for x, y in raw]
+    x_test = _features(x_test, cfg, f"{cfg.hub_name} (test)", scale)[0]
+    ys = [y for _, y in partitions]
+    num_classes = num_classes_of(cfg, np.concatenate(ys + ([y_test] if cfg.num_classes is None else [])), y_test)
+    if cfg.test_samples is not None and cfg.test_samples < len(y_test):
+        keep = np.sort(subsample_test(y_test, cfg.test_samples, num_classes, seed))
+        x_test, y_test = x_test[keep], y_test[keep]
     return FederatedData(
         partitions=[(_readonly(x), _readonly(y)) for x, y in partitions],
         x_test=_readonly(x_test),
@@ -361,7 +420,14 @@ def load_test(cfg: DataConfig, seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
-    """A device's data: an ``.npz`` with ``x`` (features) and ``y`` (integer labels)."""
+    """A device's data: an ``.npz`` with ``x`` (features) and ``y`` (integer labels).
+
+    ``x`` gets the pixel scaling of ``data.dataset: files`` (:func:`fedasync.task.files.pixel_scale`:
+    integers in 0-255 are divided by 255), decided on this file, the device's training data, so a
+    raw uint8 image file trains like the same images in a simulation.  Files written by
+    :func:`save_partitions_npz` hold float32 features and are read unchanged."""
+    from fedasync.task.files import pixel_scale
+
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"data.path: {p}: no such file")
@@ -386,7 +452,10 @@ def load_npz(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
             raise ValueError(f"data.path: {p}: y must hold integer labels, got dtype {y.dtype}")
     if y.min() < 0:
         raise ValueError(f"data.path: {p}: y holds negative labels")
-    return np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(y, dtype=np.int64)
+    xf = np.ascontiguousarray(x, dtype=np.float32)
+    if pixel_scale(x):
+        xf = xf / np.float32(255.0)
+    return xf, np.ascontiguousarray(y, dtype=np.int64)
 
 
 def save_partitions_npz(cfg: DataConfig, seed: int, out_dir: str | Path) -> list[Path]:

@@ -14,7 +14,9 @@
 Columns: ``data.label_column`` (default ``label``) and ``data.feature_column`` (default: the first
 of image/img/pixel_values/x/features; a table with none of them - a CSV of pixel columns - uses every
 other numeric column as one flat vector).  Images may be 2-D, 3-D or flat; ``data.shape`` reshapes
-flat samples (``[28, 28]``).  Features stored as integers in 0-255 (pixels) are scaled to [0, 1].
+flat samples (``[28, 28]``).  Features stored as integers in 0-255 (pixels) are scaled to [0, 1]:
+decided once from the training split (integer dtype, values in 0-255, largest above 1) and then
+applied alike to the test split (see :func:`pixel_scale`).
 
 Every problem raises :class:`ValueError` with one line starting with the key it concerns.
 """
@@ -75,8 +77,25 @@ def as_labels(y, where: str, key: str = "data.label_column") -> np.ndarray:
     raise ValueError(f"{key}: {where}: labels must be integers, got dtype {y.dtype}")
 
 
-def as_features(x: np.ndarray, cfg: DataConfig, where: str) -> np.ndarray:
-    """float32 samples, reshaped to ``data.shape`` when given, pixel integers scaled to [0, 1]."""
+def pixel_scale(*xs: np.ndarray) -> bool:
+    """Whether features are pixel integers to divide by 255: an integer dtype, every value in 0-255
+    and the largest above 1 (0/1 integers stay as they are).  Decided once, on the training data
+    (all of ``xs`` together), and applied to every split (and, for a device, to its own file, which
+    is its training data)."""
+    xs = tuple(np.asarray(x) for x in xs if np.asarray(x).size)
+    if not xs or not all(np.issubdtype(x.dtype, np.integer) for x in xs):
+        return False
+    lo, hi = min(int(x.min()) for x in xs), max(int(x.max()) for x in xs)
+    return lo >= 0 and 1 < hi <= 255
+
+
+def as_features(x: np.ndarray, cfg: DataConfig, where: str, scale: bool | None = None) -> np.ndarray:
+    """float32 samples, reshaped to ``data.shape`` when given, divided by 255 when ``scale`` (None:
+    :func:`pixel_scale` of ``x`` itself: pass the training split's decision for the other splits)."""
+    return _features(x, cfg, where, scale)[0]
+
+
+def _features(x: np.ndarray, cfg: DataConfig, where: str, scale: bool | None) -> tuple[np.ndarray, bool]:
     key = "data.feature_column"
     if x.dtype == object:
         x = _stack(list(x), key, where)
@@ -90,12 +109,27 @@ def as_features(x: np.ndarray, cfg: DataConfig, where: str) -> np.ndarray:
             raise ValueError(f"data.shape: {list(cfg.shape)} holds {math.prod(cfg.shape)} values, "
                              f"but the samples of {where} have {size} ({tuple(x.shape[1:])})")
         x = x.reshape(len(x), *cfg.shape)
-    if np.issubdtype(x.dtype, np.integer) and x.size and x.min() >= 0 and x.max() <= 255 and x.max() > 1:
-        return (x.astype(np.float32) / np.float32(255.0))
+    if scale is None:
+        scale = pixel_scale(x)
     x = x.astype(np.float32)
     if not np.all(np.isfinite(x)):
         raise ValueError(f"{key}: {where}: features hold NaN or infinite values")
-    return x
+    return (x / np.float32(255.0) if scale else x), scale
+
+
+def check_groups(groups: np.ndarray, where: str) -> np.ndarray:
+    """``data.partition_column``'s values, one per training sample; missing ones (NaN, null) raise."""
+    groups = np.asarray(groups)
+    if np.issubdtype(groups.dtype, np.floating):
+        missing = int(np.isnan(groups).sum())
+    elif groups.dtype == object:
+        missing = sum(v is None or (isinstance(v, float) and math.isnan(v)) for v in groups.ravel())
+    else:
+        missing = 0
+    if missing:
+        raise ValueError(f"data.partition_column: {missing} samples have no value ({where}; every training "
+                         "sample needs its group id for natural partitioning)")
+    return groups
 
 
 def _feature_column(cfg: DataConfig, columns: list[str], where: str) -> str | list[str]:
@@ -112,14 +146,28 @@ def _feature_column(cfg: DataConfig, columns: list[str], where: str) -> str | li
     return rest  # a table of scalar columns (a CSV of pixels): all of them, one flat vector
 
 
-def _from_dataset(ds, cfg: DataConfig, where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """(x, y, groups) from an in-memory or on-disk ``datasets.Dataset``."""
+Ref = tuple[str | list[str], bool]  # (feature column or columns, pixel scaling): the training split decided
+
+
+def _from_dataset(ds, cfg: DataConfig, where: str,
+                  ref: Ref | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, Ref]:
+    """(x, y, groups, ref) from an in-memory or on-disk ``datasets.Dataset``.  ``ref`` None: this
+    is the training split, which decides the feature columns and the pixel scaling (returned as
+    ``ref``); a test split is read with the training split's ``ref``: its feature columns are picked
+    by name, it gets the same scaling, and it needs no ``data.partition_column``."""
     cols = list(ds.column_names)
     if cfg.label_column not in cols:
         raise ValueError(f"data.label_column: {where} has no column {cfg.label_column!r} (has {cols})")
-    if cfg.partition_column is not None and cfg.partition_column not in cols:
+    if ref is None and cfg.partition_column is not None and cfg.partition_column not in cols:
         raise ValueError(f"data.partition_column: {where} has no column {cfg.partition_column!r} (has {cols})")
-    feat = _feature_column(cfg, cols, where)
+    if ref is None:
+        feat = _feature_column(cfg, cols, where)
+    else:
+        feat = ref[0]
+        missing = [c for c in ([feat] if isinstance(feat, str) else feat) if c not in cols]
+        if missing:
+            raise ValueError(f"data.feature_column: {where} has no column {missing[0]!r} (a feature column of "
+                             f"the training split; {len(missing)} missing)")
     if len(ds) == 0:
         raise ValueError(f"data.path: {where}: holds no samples")
     npds = ds.with_format("numpy")
@@ -130,8 +178,13 @@ def _from_dataset(ds, cfg: DataConfig, where: str) -> tuple[np.ndarray, np.ndarr
         if not isinstance(x, np.ndarray) or x.dtype == object:
             x = _stack(list(x), "data.feature_column", where)
     y = as_labels(npds[cfg.label_column], where)
-    groups = np.asarray(npds[cfg.partition_column]) if cfg.partition_column is not None else None
-    return as_features(np.asarray(x), cfg, where), y, groups
+    groups = None
+    if ref is None and cfg.partition_column is not None:
+        groups = np.asarray(npds[cfg.partition_column])
+        if cfg.partitioner == "natural":
+            groups = check_groups(groups, where)
+    x, scaled = _features(np.asarray(x), cfg, where, None if ref is None else ref[1])
+    return x, y, groups, (feat, scaled)
 
 
 # -- the three layouts -----------------------------------------------------------------------
@@ -144,6 +197,11 @@ def _load_npz(p: Path, cfg: DataConfig) -> RawData:
     except Exception as err:
         raise ValueError(f"data.path: {p}: not a readable .npz file ({type(err).__name__}: {err})") from None
     names = sorted(arrays)
+    for key, value, fits in (("label_column", cfg.label_column, ("label", "y")),
+                             ("feature_column", cfg.feature_column, (None, "x"))):
+        if value not in fits:
+            raise ValueError(f"data.{key}: {value!r} does not apply to an .npz ({p.name}): its arrays are "
+                             f"x_train, y_train, x_test, y_test (or x, y), has {names}; leave data.{key} unset")
     pc = cfg.partition_column
     if {"x_train", "y_train"} <= arrays.keys():
         has_test = {"x_test", "y_test"} <= arrays.keys()
@@ -153,7 +211,7 @@ def _load_npz(p: Path, cfg: DataConfig) -> RawData:
         parts, gkey = [("x", "y")], pc
     else:
         raise ValueError(f"data.path: {p}: needs arrays x_train, y_train, x_test, y_test (or x, y); has {names}")
-    out = []
+    out, scale = [], None  # the training split (first) decides the pixel scaling for both
     for xk, yk in parts:
         where = f"{p.name}[{xk}]"
         if yk not in arrays:  # pragma: no cover - checked above
@@ -163,12 +221,15 @@ def _load_npz(p: Path, cfg: DataConfig) -> RawData:
             raise ValueError(f"data.path: {p}: {xk} has {len(x)} samples but {yk} has {len(y)}")
         if len(y) == 0:
             raise ValueError(f"data.path: {where}: holds no samples")
-        out.append((as_features(x, cfg, where), y))
+        x, scale = _features(x, cfg, where, scale)
+        out.append((x, y))
     groups = None
     if pc is not None:
         if gkey not in arrays:
             raise ValueError(f"data.partition_column: {p} has no array {gkey!r} (has {names})")
         groups = np.asarray(arrays[gkey])
+        if cfg.partitioner == "natural":
+            groups = check_groups(groups, f"{p.name}[{gkey}]")
         if len(groups) != len(out[0][1]):
             raise ValueError(f"data.partition_column: {p}[{gkey}] has {len(groups)} values for {len(out[0][1])} samples")
     (x_tr, y_tr), test = out[0], (out[1] if len(out) > 1 else (None, None))
@@ -226,10 +287,10 @@ def _load_table_folder(p: Path, cfg: DataConfig) -> RawData:
         if splits.get(None):
             log.warning("data.path %s: ignoring %d file(s) in neither a train nor a test split (%s)",
                         p, len(splits[None]), splits[None][0].name)
-    x, y, groups = _from_dataset(_read_table(train, kind, p), cfg, f"{p.name} (train)")
+    x, y, groups, ref = _from_dataset(_read_table(train, kind, p), cfg, f"{p.name} (train)")
     if not test:
         return RawData(x, y, None, None, groups)
-    xt, yt, _ = _from_dataset(_read_table(test, kind, p), cfg, f"{p.name} (test)")
+    xt, yt, _, _ = _from_dataset(_read_table(test, kind, p), cfg, f"{p.name} (test)", ref)
     return RawData(x, y, xt, yt, groups)
 
 
@@ -243,12 +304,12 @@ def _load_saved(p: Path, cfg: DataConfig) -> RawData:
     if isinstance(d, datasets.DatasetDict):
         if "train" not in d:
             raise ValueError(f"data.path: {p}: the saved DatasetDict has no 'train' split (has {list(d)})")
-        x, y, groups = _from_dataset(d["train"], cfg, f"{p.name}[train]")
+        x, y, groups, ref = _from_dataset(d["train"], cfg, f"{p.name}[train]")
         if "test" not in d:
             return RawData(x, y, None, None, groups)
-        xt, yt, _ = _from_dataset(d["test"], cfg, f"{p.name}[test]")
+        xt, yt, _, _ = _from_dataset(d["test"], cfg, f"{p.name}[test]", ref)
         return RawData(x, y, xt, yt, groups)
-    x, y, groups = _from_dataset(d, cfg, p.name)
+    x, y, groups, _ = _from_dataset(d, cfg, p.name)
     return RawData(x, y, None, None, groups)
 
 
