@@ -114,6 +114,14 @@ def test_calibration_failure_is_one_clear_line():
         calibrate(1e-4, 1e-5, 1.0, 10_000, "rdp")
 
 
+def test_a_calibration_failure_names_the_override_that_set_the_budget():
+    cfg = load_config(None, ["data.num_clients=4", "server.concurrency=4", "server.buffer_size=2",
+                             "privacy.local_dp.enabled=true", "privacy.local_dp.epsilon=3",
+                             "privacy.overrides=[{clients: '1', delta: 1e-6}, {clients: '0', epsilon: 0.0001}]"])
+    with pytest.raises(PrivacyError, match=r"^privacy.overrides.1.epsilon: cannot calibrate noise"):
+        plan_clients(cfg, [400, 400, 400, 400])
+
+
 def test_extend_history_matches_what_the_opacus_accountant_records():
     h = extend_history([], 1.3, 0.1, 7, "rdp")
     assert h == [(1.3, 0.1, 7)]

@@ -173,13 +173,15 @@ def check_enforcing(accountant: str, key: str = "privacy.local_dp.accountant") -
 
 
 @functools.lru_cache(maxsize=4096)
-def calibrate(epsilon: float, delta: float, sample_rate: float, total_steps: int, accountant: str) -> float:
-    """Opacus ``get_noise_multiplier`` for ``total_steps`` steps at ``sample_rate`` (cached)."""
+def calibrate(epsilon: float, delta: float, sample_rate: float, total_steps: int, accountant: str,
+              key: str = "privacy.local_dp") -> float:
+    """Opacus ``get_noise_multiplier`` for ``total_steps`` steps at ``sample_rate`` (cached; ``key``:
+    where the budget was set, for the error)."""
     from opacus.accountants.utils import get_noise_multiplier
 
     check_enforcing(accountant)
     if total_steps <= 0:
-        raise PrivacyError("privacy.local_dp.planned_tasks: the planned budget has no steps")
+        raise PrivacyError(f"{key}.planned_tasks: the planned budget has no steps")
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*Optimal order is the (largest|smallest) alpha.*")
@@ -187,7 +189,7 @@ def calibrate(epsilon: float, delta: float, sample_rate: float, total_steps: int
                                               sample_rate=float(sample_rate), steps=int(total_steps),
                                               accountant=accountant))
     except ValueError as e:
-        raise PrivacyError(f"privacy.local_dp.epsilon: cannot calibrate noise for epsilon={epsilon}, "
+        raise PrivacyError(f"{key}.epsilon: cannot calibrate noise for epsilon={epsilon}, "
                            f"delta={delta}, q={sample_rate:.4g}, {total_steps} steps ({e})") from None
 
 
@@ -202,6 +204,7 @@ class Budget:
     delta: float
     planned_tasks: int
     noise_multiplier: float | None  # a fixed sigma; None: auto (calibrated from epsilon)
+    source: str = field(default="privacy.local_dp", compare=False)  # the config entry that set epsilon
 
 
 def resolve_budgets(privacy: PrivacyConfig, num_clients: int) -> list[Budget]:
@@ -212,6 +215,7 @@ def resolve_budgets(privacy: PrivacyConfig, num_clients: int) -> list[Budget]:
         "delta": dp.delta,
         "planned_tasks": dp.planned_tasks,
         "noise_multiplier": None if dp.noise_multiplier == "auto" else float(dp.noise_multiplier),
+        "source": "privacy.local_dp",
     }
     per = [dict(base) for _ in range(num_clients)]
     for i, ov in enumerate(privacy.overrides):
@@ -224,13 +228,16 @@ def resolve_budgets(privacy: PrivacyConfig, num_clients: int) -> list[Budget]:
                 val = getattr(ov, key)
                 if val is not None:
                     per[c][key] = val
+                    if key in ("epsilon", "planned_tasks"):
+                        per[c]["source"] = f"privacy.overrides.{i}"
     out = []
     for c, b in enumerate(per):
         if b["noise_multiplier"] is None and b["epsilon"] is None:  # pragma: no cover - config forbids it
             raise PrivacyError(f"privacy: client {c} has neither epsilon nor a noise_multiplier")
         out.append(Budget(epsilon=None if b["epsilon"] is None else float(b["epsilon"]), delta=float(b["delta"]),
                           planned_tasks=int(b["planned_tasks"]),
-                          noise_multiplier=None if b["noise_multiplier"] is None else float(b["noise_multiplier"])))
+                          noise_multiplier=None if b["noise_multiplier"] is None else float(b["noise_multiplier"]),
+                          source=b["source"]))
     return out
 
 
@@ -283,7 +290,8 @@ def plan_client(client_id: int, num_examples: int, steps: int, batch_size: int, 
     if budget.noise_multiplier is not None:
         sigma = budget.noise_multiplier
     else:
-        sigma = calibrate(budget.epsilon, budget.delta, q, steps * budget.planned_tasks, dp.accountant)
+        sigma = calibrate(budget.epsilon, budget.delta, q, steps * budget.planned_tasks, dp.accountant,
+                          key=budget.source)
     return ClientPlan(client_id=client_id, num_examples=num_examples, sample_rate=q, steps=steps, budget=budget,
                       noise_multiplier=sigma, accountant=dp.accountant, max_grad_norm=dp.max_grad_norm)
 
