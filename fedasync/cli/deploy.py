@@ -59,7 +59,7 @@ def keys_gen(
     except DeployError as e:
         fail(str(e), e.code)
     console.print(f"wrote {len(names)} key files for clients {first}-{first + clients - 1} to {out} "
-                  "(*.key are private: give device i only its own)")
+                  "(*.key are private: give device i only its own)", markup=False)
 
 
 @certs_app.command("gen")
@@ -80,7 +80,7 @@ def certs_gen(
     except FileExistsError as e:
         fail(f"--out: {e}")
     console.print(f"wrote {paths['ca']} (give it to every device: --root-certificates), {paths['cert']} and "
-                  f"{paths['key']} (the SuperLink's); hosts: {', '.join(hosts)}")
+                  f"{paths['key']} (the SuperLink's); hosts: {', '.join(hosts)}", markup=False)
 
 
 # -- fedasync client --------------------------------------------------------------------
@@ -170,7 +170,7 @@ def client(
     err_console.print(f"fedasync client {partition_id}/{num_partitions}: starting flower-supernode "
                       f"(SuperLink {superlink}, poll every {poll_interval:g} s, "
                       f"{'warm trainer' if warm else 'a flwr-clientapp process per message'}; "
-                      f"DP accountants in {privacy_state_dir})", highlight=False)
+                      f"DP accountants in {privacy_state_dir})", highlight=False, markup=False)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(cmd[0], cmd, child_env())
@@ -238,10 +238,14 @@ def server(
     check_store_or_exit(cfg.store.url, "store.url")
     if missing:
         err_console.print(f"warning: no public key for client(s) {missing[:10]}: their updates will be "
-                          "rejected as unknown_client", highlight=False)
-    run = ServerRun(cfg, out, resume=resume, host=host, port=port, superlink=superlink, tls=tls,
-                    auth_keys=auth_keys, public_keys=public_keys, verbose=verbose, say=console.print,
-                    warn=lambda m: err_console.print(m, highlight=False))
+                          "rejected as unknown_client", highlight=False, markup=False)
+    try:  # paths and messages are printed as they are, never read as rich markup
+        run = ServerRun(cfg, out, resume=resume, host=host, port=port, superlink=superlink, tls=tls,
+                        auth_keys=auth_keys, public_keys=public_keys, verbose=verbose,
+                        say=lambda m: console.print(m, markup=False),
+                        warn=lambda m: err_console.print(m, highlight=False, markup=False))
+    except DeployError as e:
+        fail(str(e), e.code)
     out = run.out
     stop_asked = {"n": 0}
 
@@ -270,11 +274,13 @@ def server(
         raise typer.Exit(1)
     console.print(summary_table({cfg.server.strategy: summary}, f"{cfg.name} (deployment, seed {cfg.seed})"))
     if summary.get("rejections"):
-        console.print("rejected: " + ", ".join(f"{k}={v}" for k, v in summary["rejections"].items()))
+        console.print("rejected: " + ", ".join(f"{k}={v}" for k, v in summary["rejections"].items()),
+                      markup=False)
     console.print(f"wrote {out / 'summary.json'}, {out / 'history.csv'}, {out / 'accuracy.png'}; store "
-                  f"{summary['store_url']}")
+                  f"{summary['store_url']}", markup=False)
     if summary["stop_reason"] == "interrupted":
-        console.print(f"stopped; continue with: fedasync server --resume {summary['run_id']} --out {out}")
+        console.print(f"stopped; continue with: fedasync server --resume {summary['run_id']} --out {out}",
+                      markup=False)
 
 
 def register(app: typer.Typer) -> None:

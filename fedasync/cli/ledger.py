@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from fedasync.cli.common import console, fail, load_or_exit, progress_bars, quiet_flower
@@ -82,7 +83,7 @@ def run(
     write_and_print(out, cfg, summary, ["version", "height", "time_s", "accuracy", "loss"], None,
                     f"{cfg.name}: ledger (seed {cfg.seed})", rows)
     console.print(f"verify with: fedasync ledger verify --store {url} --run-id {summary['run_id']} "
-                  f"--head {summary['head_hash']}", highlight=False, soft_wrap=True)
+                  f"--head {summary['head_hash']}", highlight=False, soft_wrap=True, markup=False)
     console.print(f"done in {time.time() - t0:.1f} s")
 
 
@@ -131,9 +132,9 @@ def verify(
         rid = find_run(st, "ledger", run_id)
         report = verify_chain(st, rid, head=head, authority=key)
     if report.ok:
-        console.print(report.line(), highlight=False, soft_wrap=True)
+        console.print(report.line(), highlight=False, soft_wrap=True, markup=False)  # text from the chain: plain
         return
-    console.print(report.line(), highlight=False, style="red", soft_wrap=True)
+    console.print(report.line(), highlight=False, style="red", soft_wrap=True, markup=False)
     raise typer.Exit(1)
 
 
@@ -188,11 +189,12 @@ def show(
     for col in ("peer", "key", "member", "update blocks", "aggregate blocks"):
         t.add_column(col, justify="right" if col != "key" else "left")
     for p, d in sorted(ov["peers"].items(), key=lambda kv: (len(kv[0]), kv[0])):
-        t.add_row(p, d["key"], "yes" if p.isdigit() and int(p) in ov["members"] else "no", str(d["update"]),
+        t.add_row(escape(p), escape(str(d["key"])), "yes" if p.isdigit() and int(p) in ov["members"] else "no", str(d["update"]),
                   str(d["aggregate"]))
     console.print(t)
     for r in ov["rejected"]:
-        console.print(f"[red]rejected[/red] block at height {r['height']} ({r['kind']}): {r['why']}", highlight=False)
+        console.print(f"[red]rejected[/red] block at height {r['height']} ({escape(str(r['kind']))}): "
+                      f"{escape(str(r['why']))}", highlight=False)
     m = Table(title="model blocks" + ("" if all_models else " (evaluated)"))
     for col in ("model", "height", "updates", "created (s after start)", "accuracy", "loss"):
         m.add_column(col, justify="right")

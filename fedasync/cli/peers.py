@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from rich.markup import escape
 from rich.table import Table
 
 from fedasync.cli.common import console, data_or_exit, fail
@@ -69,7 +70,8 @@ def prepare(config: Optional[str], set_: list[str], peers: Optional[int], out: O
 
         check_store_or_exit(store, "--store")
     if capped:
-        console.print(f"note: {capped} (they cannot exceed the number of peers)", highlight=False, soft_wrap=True)
+        console.print(f"note: {capped} (they cannot exceed the number of peers)", highlight=False, soft_wrap=True,
+                      markup=False)
     if out is None:
         out = new_run_dir(Path("runs"), f"{cfg.name}-{kind}")
     out.mkdir(parents=True, exist_ok=True)
@@ -95,7 +97,7 @@ class Bar:
 
 
 def summary_table(s: dict, title: str, rows: list[tuple[str, str]]) -> Table:
-    t = Table(title=title)
+    t = Table(title=escape(title))  # the config's name: plain text, not markup
     t.add_column("")
     t.add_column("", justify="right")
     ttt = s.get("time_to_target_s")
@@ -128,4 +130,5 @@ def write_and_print(out: Path, cfg, summary: dict, columns: list[str], extra_plo
 
     paths = write_outputs(out, cfg, summary, columns, extra_plot)
     console.print(summary_table(summary, title, rows))
-    console.print("wrote " + ", ".join(str(p) for p in paths.values()) + f"; store {summary['store_url']}")
+    console.print("wrote " + ", ".join(str(p) for p in paths.values()) + f"; store {summary['store_url']}",
+                  markup=False)
