@@ -1,6 +1,7 @@
 """The asynchronous loop, in-process (LocalTransport): determinism, the store, equivalences."""
 
 import numpy as np
+import pytest
 
 from conftest import small_config
 from fedasync.server.loop import AsyncServer
@@ -261,3 +262,35 @@ def test_the_loop_runs_numpy_blas_on_one_thread_and_gives_the_setting_back(tmp_p
         after = blas_threads()
     assert seen and all(s == {1} for s in seen)
     assert after == {2}
+
+
+def test_fedavg_backups_with_replies_at_the_same_instant_do_not_stop_the_run(tmp_path):
+    # equal speeds: the round's m-th reply and its backups finish at one virtual instant; the
+    # backups the round's close cancelled are skipped, not taken (they were a KeyError)
+    cfg = small_config("data.num_clients=8", "server.concurrency=4", "server.max_versions=3", "clock.sigma=0",
+                       "clock.jitter=0", "clock.bandwidth_sigma=0", "server.strategy=fedavg",
+                       "server.clients_per_round=4", "server.backup_workers=2")
+    store = Store(f"sqlite:///{tmp_path / 'ties'}.db")
+    s = AsyncServer(cfg, LocalTransport(), store, clock="virtual").run()
+    assert s["stop_reason"] == "max_versions" and s["versions"] == 3 and s["updates_accepted"] == 12
+    cancelled = [d for d in store.dispatches(s["run_id"]) if d.status == "cancelled"]
+    assert cancelled and all(d.error == "round_closed" for d in cancelled)
+
+
+@pytest.mark.parametrize("strategy", [["server.strategy=fedbuff", "server.weighting=examples", "server.buffer_size=1"],
+                                      ["server.strategy=fedavg", "server.clients_per_round=1"]])
+def test_an_update_without_examples_is_rejected_under_examples_weighting(tmp_path, strategy):
+    # it has no weight: a buffer or round of such updates only had nothing to normalise by
+    from fedasync.clients.runner import handle_train
+
+    def client(params, config):
+        out = handle_train(params, config)
+        if config["client_id"] % 2 == 0:
+            out["metrics"] = {k: v for k, v in out["metrics"].items() if k != "num_examples"}
+        return out
+
+    store = Store(f"sqlite:///{tmp_path / 'noex'}.db")
+    s = AsyncServer(small_config("server.concurrency=1", "server.max_versions=4", *strategy), LocalTransport(client),
+                    store).run()
+    assert s["stop_reason"] == "max_versions" and s["rejections"].get("no_examples", 0) > 0
+    assert all(u.client_id % 2 == 0 for u in store.updates(s["run_id"]) if u.reason == "no_examples")

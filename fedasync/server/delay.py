@@ -10,8 +10,12 @@ cheap diagonal ``lambda * g ⊙ g``. Applied to an update's pseudo-gradient:
 - ``g~ = g + lambda * g ⊙ g ⊙ (x_now - x_base)``,
 - the compensated client model is ``x_base - g~``.
 
-``server.delay_compensation: {method: dc_asgd, lambda: 0.04}`` (``lambda`` 0.04 is the paper's
-``lambda_0`` for its CIFAR-10 runs; the adaptive variant's ``lambda_t`` is not implemented). The
+``server.delay_compensation: {method: dc_asgd, lambda: 0.04}``. The paper's ``lambda`` multiplies
+the square of a one-step gradient; here the square is of the pseudo-gradient, about ``lr *
+local_steps`` (``eta H``) times that gradient, so this ``lambda`` is the paper's divided by ``eta
+H``: the default 0.04 is the paper's ``lambda_0`` for CIFAR-10 as a number, and ``eta H`` times
+weaker as a correction (2x at the quickstart's ``eta H = 0.5``; give ``0.04 / (lr * local_steps)``
+for the paper's strength). The adaptive variant's ``lambda_t`` is not implemented. The
 server loop replaces the update's parameters by :func:`dc_asgd`'s result before the strategy sees
 it, for ``fedasync`` and ``fedbuff``; with ``x_now == x_base`` (a fresh update) nothing changes.
 

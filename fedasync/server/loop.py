@@ -113,9 +113,7 @@ class AsyncServer:
         self.history: list[dict] = []
         self.staleness: list[int] = []
         self.rejections: dict[str, int] = {}
-        self.received = 0
-        self.accepted = 0
-        self.failed = 0
+        self.received = self.accepted = self.failed = 0
         self.time_to_target: float | None = None
         self.stop_reason: str | None = None
         self.t_wall0 = time.time()
@@ -211,6 +209,8 @@ class AsyncServer:
         self._wait_for([t.task_id for kind, t in due if kind == "reply"])
         self.clock.advance_to(tmin)
         for kind, t in due:
+            if t.task_id not in self.live:  # a backup cancelled by the round an earlier reply of this instant closed
+                continue
             if kind == "timeout":
                 self._handle_timeout(t)
             else:

@@ -68,6 +68,13 @@ class Update:
     num_examples: int
 
 
+def no_examples(weighting: str, update: Update) -> str | None:
+    """``no_examples`` when ``examples`` weighting would give ``update`` no weight (it reports no
+    ``num_examples``): such an update cannot move the model, and a round or buffer of them only
+    would have no weights to normalise; it is rejected with that reason instead."""
+    return "no_examples" if weighting == "examples" and update.num_examples <= 0 else None
+
+
 class Strategy(ABC):
     """An aggregation rule. Subclasses keep only the buffer they need between calls."""
 
@@ -303,7 +310,7 @@ class FedBuff(Strategy):
     def check(self, update: Update, version: int) -> str | None:
         if self.central_dp is not None and any(e["client_id"] == update.client_id for e in self._held):
             return self.BACKLOG
-        return None
+        return no_examples(self.weighting, update)
 
     def add(self, model: Params, update: Update, version: int) -> Params | None:
         if update.base_params is None:
@@ -422,7 +429,7 @@ class FedAvg(Strategy):
     def check(self, update: Update, version: int) -> str | None:
         if update.base_version != version or (self._closed is not None and version <= self._closed):
             return "round_closed"
-        return None
+        return no_examples(self.weighting, update)
 
     def add(self, model: Params, update: Update, version: int) -> Params | None:
         reason = self.check(update, version)
