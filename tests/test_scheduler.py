@@ -330,3 +330,34 @@ def test_participation_figures():
     assert p["counts"] == [8, 0, 0, 0] and p["jain"] == 0.25 and p["never"] == 0.75
     assert participation([1, 3])["jain"] == pytest.approx(16 / (2 * 10))
     assert participation([0, 0, 0])["jain"] == 1.0
+
+
+@pytest.mark.parametrize("name", ["fastest", "staleness_aware"])
+def test_a_failure_counts_as_the_slowest_reply_so_far(name):
+    # a client whose tasks only fail was "untried" for ever: fastest picked it first every time
+    s = make_scheduler(name, 0)
+    s.on_reply(1, 2.0, 0)
+    s.on_reply(2, 5.0, 0)
+    s.on_failure(3, 0.1)  # failed fast: counted as slow as the slowest mean (5.0)
+    assert s.mean_duration(3) == 5.0
+    s.on_failure(4, 9.0)  # a timeout longer than that: its own duration
+    assert s.mean_duration(4) == 9.0
+
+
+def test_fastest_stops_sending_to_a_client_whose_tasks_fail(tmp_path):
+    from conftest import small_config
+    from fedasync.clients.runner import handle_train
+    from fedasync.server.loop import AsyncServer
+    from fedasync.server.transport import LocalTransport
+    from fedasync.store import Store
+
+    def client(params, config):
+        if config["client_id"] == 3:
+            raise RuntimeError("device broken")
+        return handle_train(params, config)
+
+    store = Store(f"sqlite:///{tmp_path / 'f'}.db")
+    s = AsyncServer(small_config("server.max_versions=30", "server.scheduler.name=fastest"), LocalTransport(client),
+                    store, clock="virtual").run()
+    to_broken = [d for d in store.dispatches(s["run_id"]) if d.client_id == 3]
+    assert 1 <= len(to_broken) <= 3  # tried, then ranked last (before: about a quarter of all tasks)

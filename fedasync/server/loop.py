@@ -10,14 +10,12 @@ Semantics (see docs in README "How the asynchronous loop works"):
   a reply's staleness is ``s = v_now - base_version``.
 * Up to ``concurrency`` tasks are live (synchronous FedAvg: one round of ``m + b``).
 * **Virtual clock** (simulation): the duration of every task is drawn at dispatch from its
-  client's speed profile, so every task has a virtual finish time. Replies are taken in order
-  of virtual finish time; replies that finish at the same virtual instant are all taken (in
-  task-id order) before the server dispatches again. The result is a pure function of the
-  config and seed, however the engine schedules the real work.
-* **Wall clock** (deployment): replies are taken in arrival order. A transport may offer
-  ``refresh()`` (called every step: node discovery) and the server an ``available_clients``
-  callable (clients that have a node now); while no client is available the server waits up to
-  ``deploy.node_discovery_timeout`` seconds.
+  client's speed profile; replies are taken in order of virtual finish time, those at the same
+  instant all (in task-id order) before the server dispatches again. The result is a pure
+  function of the config and seed, however the engine schedules the real work.
+* **Wall clock** (deployment): replies are taken in arrival order; ``transport.refresh()`` runs
+  every step (node discovery) and, while ``available_clients`` (clients with a node) is empty,
+  the server waits up to ``deploy.node_discovery_timeout`` seconds.
 * **Failures never stop the run**: a task that errors, cannot be pushed or exceeds
   ``server.task_timeout`` is recorded (``failed`` / ``timeout``), its slot goes to another client;
   a reply after the timeout follows ``server.late_policy`` (``reject``: recorded ``late``;
@@ -389,6 +387,7 @@ class AsyncServer:
     def _handle_timeout(self, t: Live) -> None:
         t.timed_out = True
         self.failed += 1
+        self.policy.on_failure(t.client_id, self.clock.now - t.sent_t)  # the scheduler: no reply
         self.store.set_dispatch_status(self.run_id, t.task_id, "timeout", "task_timeout",
                                        loop_state=resume.loop_state(self))
 
@@ -400,6 +399,7 @@ class AsyncServer:
             self.closed[t.message_id] = (t.task_id, t.client_id)
         if reply.error is not None:
             self.failed += 1
+            self.policy.on_failure(t.client_id, self.clock.now - t.sent_t)
             self.store.set_dispatch_status(self.run_id, t.task_id, "failed", reply.error)
             log.warning("task %d (client %d) failed: %s", t.task_id, t.client_id, reply.error)
         elif reply.refused is not None:

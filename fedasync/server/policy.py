@@ -146,6 +146,10 @@ class Policies:
         self.scheduler.on_reply(client, duration, staleness)
         self.observe_budgets(privacy, [client])
 
+    def on_failure(self, client: int, duration: float) -> None:
+        """A task of ``client`` ended without a reply (an error, a timeout) after ``duration``."""
+        self.scheduler.on_failure(client, duration)
+
     # -- what an attacker is sent (simulation only) ----------------------------------------------
     def task_params(self, client: int, version: int, params: Params, task_id: int | None = None) -> Params:
         """The model sent to ``client`` at global ``version``: ``params``, or for a ``stale``

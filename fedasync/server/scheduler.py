@@ -21,6 +21,10 @@ The calls the server loop makes
   (accepted or rejected): ``duration`` is the time the server observed between dispatch and reply
   (virtual seconds in simulation, wall seconds in deployment; never the clock's hidden speed
   profile), ``staleness`` the reply's ``v_now - base_version``.
+- ``on_failure(client, duration)``: when a task of ``client`` ends without a reply (an error, a
+  timeout) after ``duration``. ``fastest`` and ``staleness_aware`` count it as a reply as slow as
+  the slowest client's mean so far (or ``duration`` if longer): a client whose tasks fail is not
+  "untried" for ever, and is ranked last (Oort likewise penalises clients that fail).
 - ``observe_budget(client, remaining, can_afford)``: the client's remaining privacy budget
   ``remaining`` (epsilon; ``None``: no budget) and whether its next task fits in it (see
   :func:`fedasync.privacy.budgets.budget_view`). Only ``budget_aware`` uses it; call it for every
@@ -84,6 +88,9 @@ class Scheduler(ABC):
 
     def on_reply(self, client: int, duration: float, staleness: int) -> None:
         """A task of ``client`` ended with a reply after ``duration`` (as the server observed it)."""
+
+    def on_failure(self, client: int, duration: float) -> None:
+        """A task of ``client`` ended without a reply (an error, a timeout) after ``duration``."""
 
     def observe_budget(self, client: int, remaining: float | None, can_afford: bool) -> None:
         """``client``'s remaining epsilon (``None``: unbudgeted) and whether its next task fits."""
@@ -164,6 +171,10 @@ class _DurationsMixin:
         c = int(client)
         self.dur_sum[c] = self.dur_sum.get(c, 0.0) + d
         self.dur_n[c] = self.dur_n.get(c, 0) + 1
+
+    def on_failure(self, client: int, duration: float) -> None:
+        slowest = max((self.dur_sum[c] / n for c, n in self.dur_n.items() if n), default=0.0)
+        self._observe_duration(client, max(float(duration), slowest))
 
     def mean_duration(self, client: int) -> float | None:
         n = self.dur_n.get(int(client), 0)
