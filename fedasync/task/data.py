@@ -289,7 +289,7 @@ def _split_and_partition(cfg: DataConfig, seed: int, x: np.ndarray, y: np.ndarra
 
 def _hub_arrays(ds, cfg: DataConfig, feat, where: str) -> tuple[np.ndarray, np.ndarray]:
     """(raw features, labels) of a Hugging Face split or partition; ``feat`` from the training split."""
-    from fedasync.task.files import _stack, as_labels
+    from fedasync.task.files import as_labels, feature_array
 
     cols = list(ds.column_names)
     for c in [cfg.label_column] + ([feat] if isinstance(feat, str) else list(feat)):
@@ -297,13 +297,7 @@ def _hub_arrays(ds, cfg: DataConfig, feat, where: str) -> tuple[np.ndarray, np.n
             key = "data.label_column" if c == cfg.label_column else "data.feature_column"
             raise ValueError(f"{key}: {where} has no column {c!r} (has {cols})")
     npds = ds.with_format("numpy")
-    if isinstance(feat, list):
-        x = np.stack([np.asarray(npds[c]) for c in feat], axis=1)
-    else:
-        x = npds[feat]
-        if not isinstance(x, np.ndarray) or x.dtype == object:
-            x = _stack(list(x), "data.feature_column", where)
-    return np.asarray(x), as_labels(npds[cfg.label_column], where)
+    return feature_array(npds, feat, where), as_labels(npds[cfg.label_column], where)
 
 
 def _load_hub(cfg: DataConfig, seed: int) -> FederatedData:

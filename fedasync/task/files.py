@@ -149,6 +149,17 @@ def _feature_column(cfg: DataConfig, columns: list[str], where: str) -> str | li
 Ref = tuple[str | list[str], bool]  # (feature column or columns, pixel scaling): the training split decided
 
 
+def feature_array(npds, feat: str | list[str], where: str) -> np.ndarray:
+    """The samples of a numpy-formatted ``datasets.Dataset``: one column (stacked when ragged or
+    nested), or several scalar columns side by side."""
+    if isinstance(feat, list):
+        return np.stack([np.asarray(npds[c]) for c in feat], axis=1)
+    x = npds[feat]
+    if not isinstance(x, np.ndarray) or x.dtype == object:
+        x = _stack(list(x), "data.feature_column", where)
+    return np.asarray(x)
+
+
 def _from_dataset(ds, cfg: DataConfig, where: str,
                   ref: Ref | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, Ref]:
     """(x, y, groups, ref) from an in-memory or on-disk ``datasets.Dataset``.  ``ref`` None: this
@@ -171,12 +182,7 @@ def _from_dataset(ds, cfg: DataConfig, where: str,
     if len(ds) == 0:
         raise ValueError(f"data.path: {where}: holds no samples")
     npds = ds.with_format("numpy")
-    if isinstance(feat, list):
-        x = np.stack([np.asarray(npds[c]) for c in feat], axis=1)
-    else:
-        x = npds[feat]
-        if not isinstance(x, np.ndarray) or x.dtype == object:
-            x = _stack(list(x), "data.feature_column", where)
+    x = feature_array(npds, feat, where)
     y = as_labels(npds[cfg.label_column], where)
     groups = None
     if ref is None and cfg.partition_column is not None:
