@@ -287,3 +287,22 @@ def test_cli_gossip_virtual_run_and_errors(tmp_path):
     res = runner.invoke(app, ["gossip", "peer", "--store", f"sqlite:///{tmp_path / 'o' / 'fedasync.db'}",
                               "--peer-id", "0"])
     assert res.exit_code == 2 and "no starting or running gossip run" in res.output
+    # a peer joins only a starting or running run, and never overwrites a finished one's records
+    db = f"sqlite:///{tmp_path / 'o' / 'fedasync.db'}"
+    before = (tmp_path / "o" / "fedasync.db").read_bytes()
+    res = runner.invoke(app, ["gossip", "peer", "--store", db, "--peer-id", "0", "--run-id", "1"])
+    assert res.exit_code == 2 and "gossip run 1 is finished: a peer joins only a starting or running run" in res.output
+    assert (tmp_path / "o" / "fedasync.db").read_bytes() == before
+    res = runner.invoke(app, ["gossip", "peer", "--store", db, "--peer-id", "0", "--run-id", "99"])
+    assert res.exit_code == 2 and "no gossip run 99" in res.output and "gossip runs: 1" in res.output
+    res = runner.invoke(app, ["gossip", "peer", "--store", db, "--peer-id", "0", "--set", "seed=5"])
+    assert res.exit_code == 2 and "--set: needs CONFIG" in res.output
+    res = runner.invoke(app, ["gossip", "peer", "--store", f"sqlite:///{tmp_path / 'none.db'}", "--peer-id", "0"])
+    assert res.exit_code == 2 and not (tmp_path / "none.db").exists()
+    for bad in ("nan", "inf", "0"):
+        res = runner.invoke(app, ["gossip", "run", "--virtual", "--time-budget", bad, "--out", str(tmp_path / "t")])
+        assert res.exit_code == 2 and "--time-budget: must be a finite number > 0" in res.output, bad
+    # runs lists the run's model count (a gossip run has no global version)
+    res = runner.invoke(app, ["runs", "--store", db], env={"COLUMNS": "250"})
+    row = [ln for ln in res.output.splitlines() if "gossip-torus" in ln]
+    assert res.exit_code == 0 and len(row) == 1 and [c.strip() for c in row[0].split("│")][6] == "12", res.output

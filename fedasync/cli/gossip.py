@@ -105,9 +105,11 @@ def peer(
     from fedasync.serverless.runner import gossip_peer_loop
     from fedasync.serverless.runs import find_run, open_store
 
+    if set_ and not config:
+        fail("--set: needs CONFIG (a peer takes the run's own config; --set overrides a CONFIG given to check it)")
     given = load_or_exit(config, set_) if config else None
     with user_errors():
-        st = open_store(store)
-        rid = find_run(st, "gossip", run_id, running_only=run_id is None)
+        st = open_store(store, must_exist=True)
+        rid = find_run(st, "gossip", run_id, running_only=True)
         res = gossip_peer_loop(st, rid, peer_id, given, emulate=emulate_speeds)
     console.print(json.dumps(res))

@@ -101,10 +101,12 @@ def peer(
     from fedasync.serverless.runs import find_run, open_store
     from fedasync.serverless.runner import ledger_peer_loop
 
+    if set_ and not config:
+        fail("--set: needs CONFIG (a peer takes the run's own config; --set overrides a CONFIG given to check it)")
     given = load_or_exit(config, set_) if config else None
     with user_errors():
-        st = open_store(store)
-        rid = find_run(st, "ledger", run_id, running_only=run_id is None)
+        st = open_store(store, must_exist=True)
+        rid = find_run(st, "ledger", run_id, running_only=True)
         res = ledger_peer_loop(st, rid, peer_id, key or Path("fedasync-keys") / f"peer-{peer_id}.key", given,
                                emulate=emulate_speeds)
     console.print(json.dumps(res))

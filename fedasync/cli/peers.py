@@ -4,6 +4,7 @@ table and outputs. Not a command itself."""
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -50,8 +51,8 @@ def prepare(config: Optional[str], set_: list[str], peers: Optional[int], out: O
     except ConfigError as e:
         fail(str(e))
     if time_budget is not None:
-        if time_budget <= 0:
-            fail(f"--time-budget: must be > 0, got {time_budget}")
+        if not (math.isfinite(time_budget) and time_budget > 0):
+            fail(f"--time-budget: must be a finite number > 0, got {time_budget}")
         key = "max_virtual_time" if virtual else "max_wall_time"
         cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={key: float(time_budget)})})
     n = cfg.data.num_clients

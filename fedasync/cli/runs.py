@@ -20,10 +20,13 @@ def runs(
     for col in ("id", "name", "strategy", "mode", "status", "versions", "accuracy", "created"):
         table.add_column(col)
     for r in st.list_runs():
-        acc = ""
+        acc, versions = "", r.current_version
         if r.summary_json:
-            fa = json.loads(r.summary_json).get("final_accuracy")
+            summary = json.loads(r.summary_json)
+            fa = summary.get("final_accuracy")
             acc = f"{fa:.4f}" if fa is not None else ""
-        table.add_row(str(r.id), r.name, r.strategy, r.mode, r.status, str(r.current_version), acc,
+            if r.mode in ("gossip", "ledger"):  # no global version: the summary counts its models
+                versions = summary.get("versions", versions)
+        table.add_row(str(r.id), r.name, r.strategy, r.mode, r.status, str(versions), acc,
                       time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.created_wall)))
     console.print(table)

@@ -87,12 +87,21 @@ def run_summary(store: Store, run_id: int) -> tuple[str, dict | None]:
 
 
 def find_run(store: Store, kind: str, run_id: int | None = None, running_only: bool = False) -> int:
-    """``run_id`` checked to be a ``kind`` run, or the newest ``kind`` run (still running if asked)."""
+    """``run_id`` checked to be a ``kind`` run (still starting or running if ``running_only``: a
+    peer joins nothing else), or the newest such ``kind`` run."""
     with store.session() as s:
         if run_id is not None:
             row = s.get(SS.ServerlessRun, run_id)
-            if row is None or row.kind != kind:
-                raise ServerlessError(f"--run-id: run {run_id} in {store.url} is not a {kind} run")
+            if row is None:
+                ids = sorted(s.scalars(select(SS.ServerlessRun.run_id).where(SS.ServerlessRun.kind == kind)))
+                raise ServerlessError(f"--run-id: no {kind} run {run_id} in {store.url} ({kind} runs: "
+                                      f"{', '.join(map(str, ids)) or 'none'})")
+            if row.kind != kind:
+                raise ServerlessError(f"--run-id: run {run_id} in {store.url} is a {row.kind} run, not a {kind} run")
+            status = s.scalar(select(S.Run.status).where(S.Run.id == run_id))
+            if running_only and status not in ("starting", "running"):
+                raise ServerlessError(f"--run-id: {kind} run {run_id} is {status}: a peer joins only a starting "
+                                      "or running run")
             return run_id
         q = select(SS.ServerlessRun.run_id).join(S.Run, S.Run.id == SS.ServerlessRun.run_id).where(
             SS.ServerlessRun.kind == kind)
