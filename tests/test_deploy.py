@@ -251,12 +251,14 @@ def test_deploy_transport_maps_nodes_to_clients_by_hello(in_a_flower_run):
     assert "already served" in t.nodes[13]["rejected"] and "registered to node 99" in t.nodes[17]["rejected"]
     assert "not a client id" in t.nodes[14]["rejected"] and "num-partitions" in t.nodes[15]["rejected"]
     assert 16 in t.hello_failed and 16 not in t.nodes
-    # a node that leaves is unmapped; the failed one is greeted again
+    # a node that leaves is unmapped; the failed one is greeted again, and so is 13, turned away
+    # because 12 served client 1: 13 answers first and serves client 1 now
     grid.nodes.discard(12)
     grid.hellos[16] = _hello(1)
     t.refresh()
     t.refresh()
-    assert t.client_node == {0: 11, 2: 18, 1: 16}
+    assert t.client_node == {0: 11, 2: 18, 1: 13}
+    assert "already served by node 13" in t.nodes[16]["rejected"]
 
 
 @pytest.mark.deploy

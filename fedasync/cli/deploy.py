@@ -58,6 +58,8 @@ def keys_gen(
         names = generate_keys(out, range(first, first + clients), supernode_auth)
     except DeployError as e:
         fail(str(e), e.code)
+    except OSError as e:
+        fail(f"--out: {out}: {e.strerror or e}")
     console.print(f"wrote {len(names)} key files for clients {first}-{first + clients - 1} to {out} "
                   "(*.key are private: give device i only its own)", markup=False)
 
@@ -67,18 +69,28 @@ def certs_gen(
     out: Path = typer.Option(..., "--out", help="Directory to write ca.crt, ca.key, server.pem, server.key to."),
     host: list[str] = typer.Option(..., "--host", help="Name or IP the devices use to reach the SuperLink "
                                    "(repeatable); 127.0.0.1 and localhost are always added."),
-    days: int = typer.Option(365, "--days", help="Validity in days."),
+    days: int = typer.Option(365, "--days", help="Validity in days (1-36500)."),
 ) -> None:
     """Make a CA and a SuperLink certificate signed by it (TLS)."""
-    from fedasync.deploy.certs import make_certs, tls_hosts
+    from fedasync.deploy.certs import MAX_DAYS, check_tls_host, make_certs, tls_hosts
+    from fedasync.deploy.keys import check_out
 
-    if days <= 0:
-        fail("--days must be > 0")
+    if not 1 <= days <= MAX_DAYS:
+        fail(f"--days: {days} is not in 1-{MAX_DAYS}")
     hosts = tls_hosts(host)
     try:
+        for h in hosts:
+            check_tls_host(h)
+        check_out(out)
         paths = make_certs(out, hosts, days)
+    except DeployError as e:
+        fail(str(e), e.code)
+    except ValueError as e:
+        fail(str(e))
     except FileExistsError as e:
         fail(f"--out: {e}")
+    except OSError as e:
+        fail(f"--out: {out}: {e.strerror or e}")
     console.print(f"wrote {paths['ca']} (give it to every device: --root-certificates), {paths['cert']} and "
                   f"{paths['key']} (the SuperLink's); hosts: {', '.join(hosts)}", markup=False)
 
@@ -162,6 +174,8 @@ def client(
         fail(f"--device: {device!r} is not one of auto, cpu, cuda, mps")
     if port is not None and not 0 < port < 65536:
         fail(f"--port: {port} is not a port")
+    if max_wait_time is not None and not 0 < max_wait_time < float("inf"):
+        fail(f"--max-wait-time: {max_wait_time:g} is not a number of seconds > 0")
     try:
         cmd = supernode_command(superlink, partition_id, num_partitions, data, root_certificates, insecure, auth_key,
                                 signing_key, port, device, privacy_state_dir, max_wait_time, poll_interval, warm)
@@ -205,7 +219,7 @@ def server(
     from fedasync.cli.common import (RunProgress, check_store_or_exit, data_or_exit, deployable_or_exit,
                                      load_or_exit, progress_bars, summary_table)
     from fedasync.deploy.keys import client_public_keys, supernode_auth_keys
-    from fedasync.deploy.processes import parse_address
+    from fedasync.deploy.processes import check_port_free, parse_address
     from fedasync.deploy.run import ServerRun, check_out_dir, resolve_tls
     from fedasync.runs import RunError, resume_config
 
@@ -230,6 +244,8 @@ def server(
             raise DeployError(f"--port: {port} is not a port")
         if superlink is not None:
             parse_address(superlink)
+        else:
+            check_port_free(host, port)  # another SuperLink there would get our run
         public_keys, missing = client_public_keys(cfg)
         auth_keys = supernode_auth_keys(supernode_auth) if supernode_auth is not None else {}
         check_out_dir(out, resume)

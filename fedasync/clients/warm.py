@@ -199,22 +199,19 @@ class WarmTrainer:
         _say(f"task {task.task_id} ({message.metadata.message_type}) in process {pid} (input pulled in "
              f"{t_pull:.2f} s, forked at {time.monotonic() - t0:.2f} s)")
         self._warm_for(message, context)  # the next task's data and model, while this one runs
-        pushed = b""
-        try:
-            while True:
-                chunk = os.read(r, 1)
-                if not chunk:
-                    break
-                pushed += chunk
-        finally:
-            os.close(r)
-        _, status = os.waitpid(pid, 0)
+        limit = task_deadline(message)
+        pushed, status, hung = wait_task_process(pid, r, t0 + limit)
         _say(f"task {task.task_id} done in {time.monotonic() - t0:.2f} s")
         if PUSHED not in pushed:
-            why = (f"killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
-                   else f"exit status {os.WEXITSTATUS(status)}")
+            if hung:
+                why = f"no reply after {limit:.0f} s; killed"
+            else:
+                why = (f"killed by signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status)
+                       else f"exit status {os.WEXITSTATUS(status)}")
             _say(f"task {task.task_id}: its process died before replying ({why}); sending an error reply")
-            self._fail(client, message, context, f"fedasync task process died ({why})")
+            self._fail(client, message, context, f"fedasync task process {'hung' if hung else 'died'} ({why})")
+        elif hung:
+            _say(f"task {task.task_id}: its process hung after its reply; killed")
         client.close()
 
     @staticmethod
@@ -231,6 +228,66 @@ class WarmTrainer:
             push_task_output(client, context, SubStatus.FAILED, reason)
         except Exception as e:
             _say(f"could not send the error reply ({type(e).__name__}: {e})")
+
+
+DEFAULT_TASK_DEADLINE_S = 4 * 3600.0  # a task whose config carries no task_timeout
+DEADLINE_GRACE_S = 60.0  # past the task's timeout: a late reply may still be used (server.late_policy)
+
+
+def task_deadline(message) -> float:
+    """Seconds a task process may take before the trainer kills it (a hung task process must not
+    take the device out for good): twice the task's ``task_timeout`` (the server's, carried in a
+    train task's config) plus a grace, else :data:`DEFAULT_TASK_DEADLINE_S`; never past the
+    message's TTL (its reply would be dropped by then anyway)."""
+    limit = DEFAULT_TASK_DEADLINE_S
+    try:
+        timeout = json.loads(message.content["task"]["json"]).get("task_timeout")
+        if timeout:
+            limit = 2 * float(timeout) + DEADLINE_GRACE_S
+    except Exception:  # a hello or a malformed task: the default
+        pass
+    ttl = getattr(message.metadata, "ttl", None)
+    if ttl and ttl > 0:
+        limit = min(limit, float(ttl))
+    return max(1.0, limit)
+
+
+def wait_task_process(pid: int, pipe_r: int, deadline: float) -> tuple[bytes, int, bool]:
+    """Read the task process's pipe until it closes, then reap it; past ``deadline`` (monotonic)
+    SIGKILL it. (what it wrote, its wait status, whether it was killed for the deadline);
+    closes ``pipe_r``."""
+    import select
+
+    pushed, hung = b"", False
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                hung = True
+                break
+            ready, _, _ = select.select([pipe_r], [], [], min(left, 5.0))
+            if not ready:
+                continue
+            chunk = os.read(pipe_r, 64)
+            if not chunk:
+                break
+            pushed += chunk
+        while not hung:  # the pipe closed: the process exits (or hangs on its way out)
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return pushed, status, False
+            if time.monotonic() >= deadline:
+                hung = True
+                break
+            time.sleep(0.05)
+    finally:
+        os.close(pipe_r)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    _, status = os.waitpid(pid, 0)
+    return pushed, status, True
 
 
 def pull_task_input(client):

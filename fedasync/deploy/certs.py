@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import ipaddress
 import os
+import re
 from pathlib import Path
 
 from cryptography import x509
@@ -38,7 +39,10 @@ def make_certs(out: Path, hosts: list[str], days: int = 365) -> dict[str, Path]:
     for p in paths.values():
         if p.exists():
             raise FileExistsError(f"{p} exists (not overwriting)")
-    out.mkdir(parents=True, exist_ok=True)
+    if not 1 <= days <= MAX_DAYS:
+        raise ValueError(f"--days: {days} is not in 1-{MAX_DAYS}")
+    for h in hosts:
+        check_tls_host(h)
     now = _dt.datetime.now(_dt.timezone.utc) - _dt.timedelta(minutes=5)
     until = now + _dt.timedelta(days=days)
     ca_key = ec.generate_private_key(ec.SECP384R1())
@@ -72,8 +76,43 @@ def make_certs(out: Path, hosts: list[str], days: int = 365) -> dict[str, Path]:
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    write_private(paths["ca_key"], _pem_key(ca_key))
-    paths["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    write_private(paths["key"], _pem_key(key))
+    made = [p for p in (out, *out.parents) if not p.exists()]
+    written = []
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, data, private in (("ca", ca.public_bytes(serialization.Encoding.PEM), False),
+                                    ("ca_key", _pem_key(ca_key), True),
+                                    ("cert", cert.public_bytes(serialization.Encoding.PEM), False),
+                                    ("key", _pem_key(key), True)):
+            if private:
+                write_private(paths[name], data)
+            else:
+                with open(paths[name], "xb") as f:
+                    f.write(data)
+            written.append(paths[name])
+    except OSError:  # nothing left behind
+        for p in written:
+            p.unlink(missing_ok=True)
+        for d in made:
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        raise
     return paths
+
+
+MAX_DAYS = 36500  # 100 years; beyond it datetime overflows soon enough
+
+
+def check_tls_host(h: str) -> None:
+    """ValueError naming ``--host`` unless ``h`` is an IP address or an ASCII DNS name."""
+    try:
+        ipaddress.ip_address(h)
+        return
+    except ValueError:
+        pass
+    if len(h) > 253 or not re.fullmatch(r"(\*\.)?[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?"
+                                        r"(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*\.?", h):
+        raise ValueError(f"--host: {h!r} is not an IP address or a DNS name (ASCII letters, digits, '-', '.'; "
+                         "punycode for other names)")

@@ -139,6 +139,23 @@ class Federation:
             raise RuntimeError(f"registering {pub.name} failed: {(r.stdout + r.stderr).strip()[-300:]}")
         return int(data["node-id"])
 
+    def registered_node(self, pub: Path) -> int | None:
+        """The node id the SuperLink holds for this SuperNode key (registered before: by an earlier
+        run or ``--resume`` on an external SuperLink), None if it lists no such node for us."""
+        client = self.control()
+        if client is None:
+            return None
+        try:
+            from flwr.cli.supernode.register import try_load_public_key
+            from flwr.proto.control_pb2 import ListNodesRequest  # pylint: disable=E0611
+
+            key = try_load_public_key(pub)
+            res = client.ListNodes(ListNodesRequest())
+        except Exception:
+            return None
+        ids = [int(n.node_id) for n in res.nodes_info if bytes(n.public_key) == key and n.status != "unregistered"]
+        return ids[-1] if ids else None
+
     def submit(self, app_dir: Path, run_config: Path) -> int:
         r = self.flwr("run", str(app_dir.resolve()), "fedasync", "--run-config", str(run_config.resolve()),
                       "--format", "json")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
@@ -44,14 +45,35 @@ def generate_keys(out: Path, ids: range, supernode_auth: bool) -> list[str]:
     from fedasync.signing import generate_key, save_keypair
 
     names = key_file_names(ids, supernode_auth)
+    check_out(out)
     clash = [n for n in names if (out / n).exists()]
     if clash:
         raise DeployError(f"--out: {out / clash[0]} exists (not overwriting keys)")
-    for i in ids:
-        save_keypair(generate_key(), out, f"client-{i}")
-        if supernode_auth:
-            make_supernode_auth_key(out, f"supernode-{i}")
+    made = not out.exists()
+    try:
+        for i in ids:
+            save_keypair(generate_key(), out, f"client-{i}")
+            if supernode_auth:
+                make_supernode_auth_key(out, f"supernode-{i}")
+    except OSError as e:  # nothing left behind: the files written so far (all new) go
+        for n in names:
+            (out / n).unlink(missing_ok=True)
+        if made:
+            try:
+                out.rmdir()
+            except OSError:
+                pass
+        raise DeployError(f"--out: {out}: cannot write the keys ({e.strerror or e})") from None
     return names
+
+
+def check_out(out: Path, opt: str = "--out") -> None:
+    """DeployError naming ``opt`` when ``out`` or a directory above it is a file."""
+    for p in (out, *out.parents):
+        if p.exists() and not p.is_dir():
+            raise DeployError(f"{opt}: {p} is not a directory" if p == out else f"{opt}: {out}: {p} is not a directory")
+        if p.exists():
+            break
 
 
 def client_public_keys(cfg: Config) -> tuple[dict[int, bytes], list[int]]:
@@ -77,6 +99,20 @@ def client_public_keys(cfg: Config) -> tuple[dict[int, bytes], list[int]]:
     return keys, missing
 
 
+def check_supernode_pub(p: Path) -> None:
+    """DeployError (naming ``--supernode-auth`` and the file) unless ``p`` is an OpenSSH EC public
+    key, what Flower registers: found before anything starts, not by the SuperLink."""
+    try:
+        key = serialization.load_ssh_public_key(p.read_bytes())
+    except OSError as e:
+        raise DeployError(f"--supernode-auth: {p}: cannot read it ({e.strerror or e})") from None
+    except (ValueError, TypeError, UnsupportedAlgorithm):
+        raise DeployError(f"--supernode-auth: {p}: not an OpenSSH public key (make one with "
+                          "`fedasync keys gen`)") from None
+    if not isinstance(key, ec.EllipticCurvePublicKey):
+        raise DeployError(f"--supernode-auth: {p}: not an ECDSA key (make one with `fedasync keys gen`)")
+
+
 def supernode_auth_keys(directory: Path) -> dict[int, Path]:
     """``--supernode-auth DIR``: client id -> its ``supernode-<i>.pub``."""
     if not directory.is_dir():
@@ -85,6 +121,7 @@ def supernode_auth_keys(directory: Path) -> dict[int, Path]:
     for p in sorted(directory.glob("supernode-*.pub")):
         m = re.fullmatch(r"supernode-(\d+)\.pub", p.name)
         if m:
+            check_supernode_pub(p)
             keys[int(m.group(1))] = p
     if not keys:
         raise DeployError(f"--supernode-auth: no supernode-<i>.pub in {directory}")

@@ -57,6 +57,26 @@ def parse_address(addr: str, what: str = "--superlink") -> tuple[str, int]:
     return m.group(1), int(m.group(2))
 
 
+def check_port_free(host: str, port: int) -> None:
+    """DeployError (exit 2, naming ``--port``) when ``host:port`` cannot be bound because something
+    (another SuperLink) listens there: Flower's gRPC server binds with SO_REUSEPORT, so a second
+    SuperLink would start "fine" and our run would be submitted to the first one."""
+    import errno
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError):
+        return  # a host we cannot resolve: the SuperLink says so itself
+    for family, stype, proto, _, addr in infos[:1]:
+        with socket.socket(family, stype, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no conflict
+            try:
+                s.bind(addr)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise DeployError(f"--port: {host}:{port} is in use") from None
+
+
 def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None) -> bool:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
@@ -142,6 +162,9 @@ def tail(path: Path, n: int = 15) -> str:
         return ""
 
 
+MAX_POLL_INTERVAL = 3600
+
+
 def supernode_command(superlink: str, partition_id: int, num_partitions: int, data: Optional[Path] = None,
                       root_certificates: Optional[Path] = None, insecure: bool = False,
                       auth_key: Optional[Path] = None, signing_key: Optional[Path] = None,
@@ -161,8 +184,8 @@ def supernode_command(superlink: str, partition_id: int, num_partitions: int, da
     if privacy_state_dir is not None:
         node["privacy-state-dir"] = str(privacy_state_dir.resolve())
     node_config = " ".join(f"{k}={json.dumps(v)}" for k, v in node.items())
-    if not poll_interval > 0:
-        raise DeployError(f"--poll-interval: {poll_interval} is not > 0")
+    if not 0 < poll_interval <= MAX_POLL_INTERVAL:  # inf or 1e300: Flower would sleep for ever
+        raise DeployError(f"--poll-interval: {poll_interval:g} is not in (0, {MAX_POLL_INTERVAL}] seconds")
     cmd = [sys.executable, "-m", "fedasync.deploy.supernode", "--poll-interval", f"{poll_interval:g}",
            *([] if warm else ["--no-warm"]), "--", "--superlink", superlink, "--node-config", node_config]
     if insecure:

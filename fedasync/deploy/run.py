@@ -22,7 +22,7 @@ from typing import Callable, Optional
 from fedasync.config import Config
 from fedasync.deploy import DeployError
 from fedasync.deploy.federation import APP_PYPROJECT, Federation, store_progress
-from fedasync.deploy.processes import parse_address, tail, wait_for_port
+from fedasync.deploy.processes import check_port_free, parse_address, tail, wait_for_port
 
 Say = Callable[[str], None]
 
@@ -113,8 +113,10 @@ class ServerRun:
         chost, cport = parse_address(self.connect)
         out, fed = self.out, self.fed
         if self.superlink is None:
+            check_port_free(self.host, self.port)  # else another SuperLink would get our run
             fed.start_superlink(self.host, self.port, self.tls.certs, bool(self.auth_keys), out / "superlink.log")
-            if not wait_for_port(chost, cport, 60, fed.proc):
+            # the port answering is not enough: it may be someone else's; ours must still run
+            if not wait_for_port(chost, cport, 60, fed.proc) or fed.proc.poll() is not None:
                 raise DeployError(f"the SuperLink did not start (see {out / 'superlink.log'}):\n"
                                   f"{tail(out / 'superlink.log')}", 1)
             self.say(f"SuperLink on {self.host}:{self.port} ({'insecure' if self.tls.insecure else 'TLS'}"
@@ -124,9 +126,14 @@ class ServerRun:
             try:
                 registered[c] = fed.register(pub)
             except RuntimeError as e:
-                if "already" not in str(e).lower():
+                if not already_registered(str(e)):
                     raise DeployError(str(e), 1) from None
-                self.warn(f"warning: {pub.name} is already registered with this SuperLink")
+                node = fed.registered_node(pub)  # registered before (--resume, an external SuperLink)
+                if node is not None:
+                    registered[c] = node
+                else:
+                    self.warn(f"warning: {pub.name} is already registered with this SuperLink (its node id is "
+                              f"not listed to us: client {c} is not tied to its key)")
         if registered:
             self.say(f"registered {len(registered)} SuperNode key(s) (clients {sorted(registered)})")
         self.flower_run = self._submit(registered)
@@ -221,6 +228,13 @@ class ServerRun:
                              + (f"; continue with --resume {run_id}" if run_id is not None else ""))
                         return None
             time.sleep(1.0)
+
+
+def already_registered(error: str) -> bool:
+    """Flower's answer to a SuperNode key registered before: "Public key already in use" (gRPC)
+    or HTTP 412 Precondition Failed (the Control API over HTTP)."""
+    e = error.lower()
+    return "already" in e or "412" in e or "precondition failed" in e
 
 
 def _read_status(path: Path) -> dict:

@@ -148,8 +148,9 @@ class DeployTransport(GridTransport):
     def __init__(self, grid: Grid, num_clients: int, registered: dict[int, int] | None = None,
                  public_keys: dict[int, bytes] | None = None, on_node: Callable[[int, int, dict], None] | None = None,
                  refresh_every: float = 3.0, hello_timeout: float = 120.0, hello_retry: float = 30.0,
-                 min_pull_interval: float = 0.5, group_id: str = "fedasync"):
+                 min_pull_interval: float = 0.5, group_id: str = "fedasync", task_timeout: float | None = None):
         super().__init__(grid, group_id)
+        self.task_timeout = task_timeout  # told to the device: its trainer kills a task hung past it
         self.num_clients = num_clients
         self.registered = dict(registered or {})
         self.public_keys = dict(public_keys or {})
@@ -168,6 +169,12 @@ class DeployTransport(GridTransport):
         self._last_pull = -1e9
 
     # -- what the loop asks ------------------------------------------------------------
+    def send(self, tasks: list[TaskMsg]) -> list[str | None]:
+        if self.task_timeout:
+            tasks = [TaskMsg(t.task_id, t.client_id, t.node_id, t.params,
+                             {**t.config, "task_timeout": float(self.task_timeout)}) for t in tasks]
+        return super().send(tasks)
+
     def available_clients(self) -> set[int]:
         return set(self.client_node)
 
@@ -197,6 +204,12 @@ class DeployTransport(GridTransport):
             if c is not None and self.client_node.get(c) == n:
                 del self.client_node[c]
                 log.warning("node %d (client %d) left the federation", n, c)
+                # nodes turned away because n served client c (a restarted device whose old node
+                # id was still listed): forget that, greet them again
+                for m in [m for m, i in self.nodes.items() if i.get("shadowed_by") == n]:
+                    del self.nodes[m]
+                    self.hello_failed.pop(m, None)
+                    log.info("node %d: greeting it again (node %d, which served client %d, left)", m, n, c)
         waiting = {n for n, _ in self.hello_pending.values()}
         new = sorted(n for n in current if n not in self.nodes and n not in waiting
                      and now - self.hello_failed.get(n, -1e9) >= self.hello_retry)
@@ -247,18 +260,22 @@ class DeployTransport(GridTransport):
     def _map(self, node: int, info: dict) -> None:
         """Decide whether ``node`` serves the client its hello names."""
         c = info.get("partition_id")
-        why = None
+        why, shadowed_by = None, None
         if not isinstance(c, int) or not 0 <= c < self.num_clients:
             why = f"partition-id {c!r} is not a client id in 0-{self.num_clients - 1}"
         elif info.get("num_partitions") not in (None, self.num_clients):
             why = f"num-partitions {info.get('num_partitions')} differs from data.num_clients {self.num_clients}"
         elif c in self.registered and self.registered[c] != node:
             why = f"claims client {c}, whose SuperNode auth key is registered to node {self.registered[c]}"
+        elif any(n == node and k != c for k, n in self.registered.items()):
+            other = next(k for k, n in self.registered.items() if n == node)
+            why = f"claims client {c}, but its SuperNode auth key is client {other}'s"
         elif c in self.client_node and self.client_node[c] != node and self.client_node[c] in self.nodes:
             why = f"claims client {c}, already served by node {self.client_node[c]}"
+            shadowed_by = self.client_node[c]
         if why:
             log.warning("node %d is not used: %s", node, why)
-            self.nodes[node] = {**info, "client_id": None, "rejected": why}
+            self.nodes[node] = {**info, "client_id": None, "rejected": why, "shadowed_by": shadowed_by}
             return
         key = str(info.get("public_key") or "")
         expected = self.public_keys.get(c)
@@ -403,7 +420,8 @@ def run_deployment(grid: Grid, job: dict) -> dict:
 
         transport = DeployTransport(grid, cfg.data.num_clients, registered=registered,
                                     public_keys=keys if cfg.deploy.signing else None, on_node=on_node,
-                                    hello_timeout=max(60.0, cfg.deploy.node_discovery_timeout))
+                                    hello_timeout=max(60.0, cfg.deploy.node_discovery_timeout),
+                                    task_timeout=cfg.server.task_timeout)
 
         def progress(ev: dict) -> None:
             log.info("v%d  updates=%d accepted=%d live=%d acc=%s", ev["version"], ev["updates"], ev["accepted"],
