@@ -11,6 +11,48 @@ from pathlib import Path
 from fedasync.config import Config
 
 
+def file_in_the_way(out: Path) -> Path | None:
+    """The file at ``out`` or at a directory above it (``mkdir`` would fail on it), or None."""
+    for p in (out, *out.parents):
+        if p.exists():
+            return None if p.is_dir() else p
+    return None
+
+
+def not_a_directory(opt: str, out: Path, p: Path) -> str:
+    """The one line naming ``opt`` for :func:`file_in_the_way`'s ``p``."""
+    return f"{opt}: {p} is not a directory" if p == out else f"{opt}: {out}: {p} is not a directory"
+
+
+def out_dir_problem(out: Path | None, resume: int | None) -> str | None:
+    """Why ``--out`` cannot take a run (one line naming ``--out``: a file at it or above it, or,
+    for a new run (no ``resume``), a directory that is not empty), or None."""
+    if out is None:
+        return None
+    try:
+        p = file_in_the_way(out)
+        if p is not None:
+            return not_a_directory("--out", out, p)
+        if resume is None and out.exists() and any(out.iterdir()):
+            return f"--out: {out} exists and is not empty"
+    except OSError as e:  # no permission to look
+        return f"--out: {out}: {e.strerror or e}"
+    return None
+
+
+def make_run_dir(out: Path | None, name: str) -> Path:
+    """``out`` created (or a new ``runs/<name>-<time>``); ValueError naming ``--out`` when it
+    cannot be (a file on the way, no permission)."""
+    try:
+        if out is None:
+            out = new_run_dir(Path("runs"), name)
+        out.mkdir(parents=True, exist_ok=True)
+        return out
+    except OSError as e:
+        where = out if out is not None else "runs (the default)"
+        raise ValueError(f"--out: {where}: cannot create the directory ({e.strerror or e})") from None
+
+
 def new_run_dir(root: Path, name: str) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = root / f"{name}-{stamp}"

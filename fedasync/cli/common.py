@@ -7,7 +7,6 @@ import logging
 import os
 import sys
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Iterator
 
 import typer
@@ -27,23 +26,6 @@ def fail(message: str, code: int = 2) -> "typer.Exit":
     brackets in it (``x[train]``, ``[/x]``) are printed as they are, never read as rich markup."""
     err_console.print(f"[red]error:[/red] {escape(str(message))}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
-
-
-def out_dir_problem(out: Path | None, resume: int | None) -> str | None:
-    """Why ``--out`` cannot take a new run (one line naming ``--out``), or None."""
-    if out is None:
-        return None
-    try:
-        for p in (out, *out.parents):  # a file at --out or above it: mkdir would raise NotADirectoryError
-            if p.exists() and not p.is_dir():
-                return f"--out: {p} is not a directory" if p == out else f"--out: {out}: {p} is not a directory"
-            if p.exists():
-                break
-        if resume is None and out.exists() and any(out.iterdir()):
-            return f"--out: {out} exists and is not empty"
-    except OSError as e:  # no permission to look
-        return f"--out: {out}: {e.strerror or e}"
-    return None
 
 
 def load_or_exit(path: str | None, overrides: list[str] | None) -> Config:

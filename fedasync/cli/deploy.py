@@ -72,16 +72,10 @@ def certs_gen(
     days: int = typer.Option(365, "--days", help="Validity in days (1-36500)."),
 ) -> None:
     """Make a CA and a SuperLink certificate signed by it (TLS)."""
-    from fedasync.deploy.certs import MAX_DAYS, check_tls_host, make_certs, tls_hosts
-    from fedasync.deploy.keys import check_out
+    from fedasync.deploy.certs import make_certs, tls_hosts
 
-    if not 1 <= days <= MAX_DAYS:
-        fail(f"--days: {days} is not in 1-{MAX_DAYS}")
     hosts = tls_hosts(host)
-    try:
-        for h in hosts:
-            check_tls_host(h)
-        check_out(out)
+    try:  # make_certs checks --out, --days and every --host before it writes anything
         paths = make_certs(out, hosts, days)
     except DeployError as e:
         fail(str(e), e.code)

@@ -12,7 +12,7 @@ import typer
 from rich.markup import escape
 
 from fedasync.cli.common import (RunProgress, check_store_or_exit, console, data_or_exit, fail, load_or_exit,
-                                 out_dir_problem, progress_bars, quiet_flower, summary_table)
+                                 progress_bars, quiet_flower, summary_table)
 from fedasync.config import Config, ConfigError, apply_overrides, config_from_dict
 from fedasync.runs import RunError, resume_config, run_configs
 
@@ -76,21 +76,18 @@ def simulate(
     if backend not in ("flower", "local"):
         fail(f"--backend: {backend!r} is not one of flower, local")
     data_or_exit(cfg)  # data and model (the --compare entries differ only in server)
+    from fedasync.outputs import make_run_dir, out_dir_problem, write_comparison
+
     out_problem = out_dir_problem(out, resume)
     if out_problem:
         fail(out_problem)
     for label, c in configs:  # a store that cannot be opened: one line, before anything is written
         check_store_or_exit(c.store.url, "store.url")
     # nothing is written before every input has been checked
-    from fedasync.outputs import new_run_dir, write_comparison
-
     try:
-        if out is None:
-            out = new_run_dir(Path("runs"), cfg.name)
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a file on the way, no permission: one line (nothing written yet)
-        where = out if out is not None else "runs (the default)"
-        fail(f"--out: {where}: cannot create the directory ({e.strerror or e})")
+        out = make_run_dir(out, cfg.name)
+    except ValueError as e:  # a file on the way, no permission: one line (nothing written yet)
+        fail(str(e))
     out_dirs = {label: (out / label if compare else out) for label, _ in configs}
     quiet_flower(verbose)
     t0 = time.time()

@@ -13,6 +13,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from fedasync.deploy import DeployError
+
 
 def write_private(path: Path, data: bytes) -> None:
     """Write a private key: mode 0600, never over an existing file."""
@@ -31,10 +33,20 @@ def tls_hosts(hosts: list[str]) -> list[str]:
     return list(dict.fromkeys([h.strip() for h in hosts if h.strip()] + ["127.0.0.1", "localhost"]))
 
 
+def check_out(out: Path, opt: str = "--out") -> None:
+    """DeployError naming ``opt`` when ``out`` or a directory above it is a file."""
+    from fedasync.outputs import file_in_the_way, not_a_directory
+
+    p = file_in_the_way(out)
+    if p is not None:
+        raise DeployError(not_a_directory(opt, out, p))
+
+
 def make_certs(out: Path, hosts: list[str], days: int = 365) -> dict[str, Path]:
     """A CA (``ca.crt``, ``ca.key``) and a server certificate for ``hosts`` signed by it
     (``server.pem``, ``server.key``): what ``flower-superlink --ssl-*`` and
     ``flower-supernode --root-certificates`` take."""
+    check_out(out)
     paths = {"ca": out / "ca.crt", "ca_key": out / "ca.key", "cert": out / "server.pem", "key": out / "server.key"}
     for p in paths.values():
         if p.exists():

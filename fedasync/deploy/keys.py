@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from fedasync.config import Config
 from fedasync.deploy import DeployError
-from fedasync.deploy.certs import write_private
+from fedasync.deploy.certs import check_out, write_private
 
 
 def make_supernode_auth_key(out: Path, name: str) -> tuple[Path, Path]:
@@ -65,15 +65,6 @@ def generate_keys(out: Path, ids: range, supernode_auth: bool) -> list[str]:
                 pass
         raise DeployError(f"--out: {out}: cannot write the keys ({e.strerror or e})") from None
     return names
-
-
-def check_out(out: Path, opt: str = "--out") -> None:
-    """DeployError naming ``opt`` when ``out`` or a directory above it is a file."""
-    for p in (out, *out.parents):
-        if p.exists() and not p.is_dir():
-            raise DeployError(f"{opt}: {p} is not a directory" if p == out else f"{opt}: {out}: {p} is not a directory")
-        if p.exists():
-            break
 
 
 def client_public_keys(cfg: Config) -> tuple[dict[int, bytes], list[int]]:

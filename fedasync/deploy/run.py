@@ -64,21 +64,13 @@ def resolve_tls(superlink: Optional[str], certs: Optional[Path], ssl_certfile: O
 
 
 def check_out_dir(out: Optional[Path], resume: Optional[int]) -> None:
-    """DeployError (one line naming ``--out``) when ``out`` cannot take the run: a file at it or
-    above it, or (no ``resume``) a directory that is not empty."""
-    if out is None:
-        return
-    try:
-        for p in (out, *out.parents):
-            if p.exists() and not p.is_dir():
-                raise DeployError(f"--out: {p} is not a directory" if p == out
-                                  else f"--out: {out}: {p} is not a directory")
-            if p.exists():
-                break
-        if resume is None and out.exists() and any(out.iterdir()):
-            raise DeployError(f"--out: {out} exists and is not empty")
-    except OSError as e:
-        raise DeployError(f"--out: {out}: {e.strerror or e}") from None
+    """DeployError (one line naming ``--out``) when ``out`` cannot take the run
+    (:func:`fedasync.outputs.out_dir_problem`)."""
+    from fedasync.outputs import out_dir_problem
+
+    problem = out_dir_problem(out, resume)
+    if problem:
+        raise DeployError(problem)
 
 
 class ServerRun:
@@ -88,19 +80,15 @@ class ServerRun:
                  superlink: Optional[str], tls: TLS, auth_keys: dict[int, Path], public_keys: dict[int, bytes],
                  verbose: bool = False, say: Say = print, warn: Say = print):
         """Creates the run directory (``out``, default ``runs/<name>-<time>/``)."""
-        from fedasync.outputs import new_run_dir
+        from fedasync.outputs import make_run_dir
 
         self.cfg, self.resume, self.host, self.port, self.superlink = cfg, resume, host, port, superlink
         self.tls, self.auth_keys, self.public_keys = tls, auth_keys, public_keys
         self.say, self.warn = say, warn
         try:
-            if out is None:
-                out = new_run_dir(Path("runs"), cfg.name)
-            self.out = out.resolve()
-            self.out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise DeployError(f"--out: {out if out is not None else 'runs (the default)'}: cannot create the "
-                              f"directory ({e.strerror or e})") from None
+            self.out = make_run_dir(out, cfg.name).resolve()
+        except ValueError as e:
+            raise DeployError(str(e)) from None
         (self.out / "server-status.json").unlink(missing_ok=True)
         self.home = Path(os.environ["FLWR_HOME"]) if os.environ.get("FLWR_HOME") else self.out / "flwr"
         self.home.mkdir(parents=True, exist_ok=True)

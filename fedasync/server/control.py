@@ -104,6 +104,12 @@ NEXT_TASK_OVER_BUDGET = "next_task_over_budget"
 ROUND_CLOSED = "round_closed"
 
 
+def backups_spend(srv: "AsyncServer") -> bool:
+    """Whether :func:`cancel_dropped` takes the cancelled backups' replies for their privacy spend
+    (local DP under the virtual clock), so that a resume resends them rather than cancelling them."""
+    return srv.virtual and srv.cfg.privacy.local_dp.enabled
+
+
 def cancel_dropped(srv: "AsyncServer") -> list[int]:
     """Synchronous FedAvg with backup workers (Chen et al. 2016): when a round closes after its
     first ``m`` replies, the ``b`` tasks still live are cancelled: recorded ``cancelled`` (error
@@ -120,7 +126,7 @@ def cancel_dropped(srv: "AsyncServer") -> list[int]:
     if not srv.strategy.synchronous:
         return []
     dropped = sorted(tid for tid, t in srv.live.items() if t.base_version != srv.version)
-    spent = srv.virtual and srv.privacy is not None and srv.privacy.local
+    spent = backups_spend(srv)
     if spent:
         srv._wait_for(dropped)
     late = []

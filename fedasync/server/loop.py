@@ -6,8 +6,7 @@ runs clients in-process), to the database through ``Store``; it imports no Flowe
 
 Semantics (see docs in README "How the asynchronous loop works"):
 
-* State: the global model ``x`` and its version ``v``. Each dispatch records ``base_version``;
-  a reply's staleness is ``s = v_now - base_version``.
+* State: the global model ``x``, its version ``v``; a reply's staleness is ``v - base_version``.
 * Up to ``concurrency`` tasks are live (synchronous FedAvg: one round of ``m + b``).
 * **Virtual clock** (simulation): the duration of every task is drawn at dispatch from its
   client's speed profile; replies are taken in order of virtual finish time, those at the same
@@ -51,7 +50,8 @@ from fedasync.server.retention import Retention
 from fedasync.server.strategies import Update, make_strategy, params_sha256
 from fedasync.server.summary import build_summary, progress_event
 from fedasync.server.transport import Live, Reply, TaskMsg, Transport, client_setup_json, task_seed
-from fedasync.server.validation import UpdateValidator, num_examples_of
+from fedasync.server.validation import UpdateValidator
+from fedasync.signing import num_examples_of
 from fedasync.store import Store
 
 log = logging.getLogger("fedasync")

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from fedasync.config import Config
 from fedasync.server.clock import WallClock
-from fedasync.server.control import ROUND_CLOSED
+from fedasync.server.control import ROUND_CLOSED, backups_spend
 from fedasync.server.params import Tail
 from fedasync.server.retention import Retention
 from fedasync.server.strategies import Update
@@ -99,7 +99,7 @@ def restore(srv: AsyncServer, run_id: int) -> None:
     pending = [d for d in store.dispatches(run_id)
                if (d.status in RESEND and d.error != ROUND_CLOSED)
                or (d.status == "timeout" and d.task_id not in replied)]
-    if srv.strategy.synchronous and not (srv.virtual and srv.cfg.privacy.local_dp.enabled):
+    if srv.strategy.synchronous and not backups_spend(srv):
         # killed between a round's close and the cancelling of its backups (under local DP they are
         # resent, and cancel_dropped takes their replies for their spend, as the run would have)
         for d in [d for d in pending if d.base_version != srv.version]:

@@ -13,7 +13,8 @@ are kept only while something needs them:
 * the versions a simulated ``stale`` attacker may still be sent or was sent by a task in flight
   (``Policies.held_versions``: at most ``attack.lag`` + the tasks in flight);
 * with the kardam filter, the base version of each client's last judged update (also
-  ``Policies.held_versions``: at most one per client, what the filter holds in memory).
+  ``Policies.held_versions``: at most one per client, what the filter holds in memory); with
+  zeno++, the version its validation gradient was computed at.
 
 :meth:`Retention.release` names the versions whose parameters nothing needs any more; the loop
 passes them to the store call that makes them unneeded, so they are dropped in the same
@@ -51,7 +52,7 @@ class Retention:
         """Versions whose parameters nothing needs now (and forget them): ``current`` is the latest
         version (kept with the ``keep_last - 1`` before it), ``live_bases`` the base versions of the
         live tasks, ``pending`` the task ids still buffered, ``other`` versions held for another
-        reason (``Policies.held_versions``: a simulated attack's, kardam's)."""
+        reason (``Policies.held_versions``: a simulated attack's, kardam's, zeno++'s)."""
         if not self.save:
             return []
         pending = set(pending)

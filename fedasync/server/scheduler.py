@@ -173,7 +173,7 @@ class _DurationsMixin:
         self.dur_n[c] = self.dur_n.get(c, 0) + 1
 
     def on_failure(self, client: int, duration: float) -> None:
-        slowest = max((self.dur_sum[c] / n for c, n in self.dur_n.items() if n), default=0.0)
+        slowest = max((self.mean_duration(c) for c in self.dur_n), default=0.0)
         self._observe_duration(client, max(float(duration), slowest))
 
     def mean_duration(self, client: int) -> float | None:

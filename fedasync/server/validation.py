@@ -4,7 +4,7 @@ Each check returns a short, stable reason string that is recorded with the rejec
 
 ``missing_params``, ``missing_key``, ``extra_key``, ``bad_shape``, ``bad_dtype``,
 ``non_finite``, ``norm_exceeded``, ``stale``, ``bad_signature``, ``unknown_client``, ``replay``,
-``late``.
+``late``, ``bad_num_examples``.
 
 :meth:`UpdateValidator.check` runs, in this order (the first failing check names the reason):
 
@@ -12,11 +12,12 @@ Each check returns a short, stable reason string that is recorded with the rejec
    the reply names a client (``metrics["client_id"]``, set by a deployed ClientApp from its
    node config) other than the one the task was sent to.
 2. ``missing_params``: the reply carries no parameters.
+   ``bad_num_examples``: its ``num_examples`` is not a whole number in 0..2^31-1 (absent: 0).
 3. ``bad_signature``: signing is on and the reply's signature is missing or is not the
    registered key's Ed25519 signature over ``(run id, task id, base version, sha256 of the
    parameters, num_examples, sha256 of the metrics)`` (:func:`fedasync.signing.update_message`),
    checked against the reply's metrics as the server uses them: the weight
-   :func:`num_examples_of` and the metrics the privacy accountant records.
+   :func:`fedasync.signing.num_examples_of` and the metrics the privacy accountant records.
 4. ``missing_key`` / ``extra_key`` / ``bad_shape`` / ``bad_dtype`` / ``non_finite``: the
    parameters must have exactly the global model's keys, shapes and dtypes, all values finite.
 5. ``norm_exceeded``: ``||x_i - x_base||_2 > server.max_update_norm`` (when set).
@@ -37,7 +38,6 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from fedasync.config import ServerConfig
-from fedasync.signing import num_examples_of  # noqa: F401 (the weight the server uses: the loop imports it here)
 
 Params = dict[str, np.ndarray]
 

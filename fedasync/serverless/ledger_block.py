@@ -73,7 +73,8 @@ def payload_digest(data: bytes) -> str:
 # -- membership -----------------------------------------------------------------------------------
 
 
-def _peer_id(x: Any) -> int | None:
+def _int(x: Any) -> int | None:
+    """``x`` when it is an int (not a bool), else None: a peer id, a count, a height from JSON."""
     return x if isinstance(x, int) and not isinstance(x, bool) else None
 
 
@@ -90,7 +91,7 @@ class Membership:
     @classmethod
     def from_genesis(cls, public_key: str, meta: dict) -> "Membership":
         """The genesis block's members; ValueError (why) if the list is not a valid one."""
-        n = _peer_id(meta.get("num_peers"))
+        n = _int(meta.get("num_peers"))
         if n is None or n < 1:
             raise ValueError("meta.num_peers is missing")
         rows = meta.get("members")
@@ -98,7 +99,7 @@ class Membership:
             raise ValueError("meta.members is missing: the chain does not pin its signers")
         members: dict[int, str] = {}
         for r in rows:
-            p = _peer_id(r.get("peer")) if isinstance(r, dict) else None
+            p = _int(r.get("peer")) if isinstance(r, dict) else None
             k = r.get("public_key") if isinstance(r, dict) else None
             if p is None or not 0 <= p < n:
                 raise ValueError(f"meta.members: peer {r!r} is not an id in 0..{n - 1}")
@@ -123,7 +124,7 @@ class Membership:
             if public_key != self.authority:
                 return (f"a member block must be signed by the run's authority key ({self.authority[:16]}), "
                         f"not {public_key[:16]}")
-            op, p = meta.get("op"), _peer_id(meta.get("peer"))
+            op, p = meta.get("op"), _int(meta.get("peer"))
             if p is None or not 0 <= p < self.num_peers:
                 return f"meta.peer {meta.get('peer')!r} is not a peer id in 0..{self.num_peers - 1}"
             if op == "add":
@@ -147,7 +148,7 @@ class Membership:
             if public_key == self.authority:
                 return "signed by the run's authority key, which signs genesis and member blocks only"
             return f"signed by key {public_key[:16]}, which is not a member of the run"
-        if _peer_id(claim) != signer:
+        if _int(claim) != signer:
             return f"signed by peer {signer}'s key but claims to be peer {claim!r}"
         return None
 
@@ -234,10 +235,6 @@ class Verdict:
     members: Membership | None = None  # the genesis block's
     members_error: str | None = None  # the genesis block pins no valid signers (an older chain)
     recomputed: bool = False  # an accepted aggregate, recomputed bit for bit
-
-
-def _int(x: Any) -> int | None:
-    return x if isinstance(x, int) and not isinstance(x, bool) else None
 
 
 def _spec(params: Params) -> list:
