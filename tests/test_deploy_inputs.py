@@ -225,33 +225,29 @@ def test_warm_trainer_sends_an_error_reply_for_a_hung_task(monkeypatch, in_a_flo
     assert len(failed) == 1 and failed[0][0] is msg and "hung" in failed[0][1]
 
 
-def test_deploy_transport_tells_devices_the_task_timeout(in_a_flower_run):
-    from fedasync.server.app import DeployTransport
-    from fedasync.server.transport import TaskMsg
-    from tests.test_deploy import FakeGrid
+def test_deployed_tasks_tell_devices_the_task_timeout(tmp_path):
+    # the loop puts server.task_timeout in a deployed task's config: the warm trainer's deadline
+    from types import SimpleNamespace as NS
 
-    grid = FakeGrid({})
-    sent = []
-    grid.push_messages = lambda msgs: sent.extend(msgs) or [f"m{i}" for i in range(len(msgs))]
-    t = DeployTransport(grid, 2, task_timeout=30.0)
-    t._record = lambda params: RecordDictStub()  # no model to encode here
-    conf = {"task_id": 1}
-    import fedasync.server.app as app_mod
-
-    orig = app_mod.task_content
-    app_mod.task_content = lambda rec, config: _content(config)
-    try:
-        assert t.send([TaskMsg(1, 0, 7, None, conf)]) == ["m0"]
-    finally:
-        app_mod.task_content = orig
-    assert json.loads(sent[0].content["task"]["json"])["task_timeout"] == 30.0 and conf == {"task_id": 1}
+    from conftest import small_config
+    from fedasync.clients.runner import handle_train
     from fedasync.clients.warm import DEADLINE_GRACE_S, task_deadline
+    from fedasync.server.loop import AsyncServer
+    from fedasync.server.transport import LocalTransport
+    from fedasync.store import Store
 
-    assert task_deadline(sent[0]) == 60.0 + DEADLINE_GRACE_S
+    sent = []
 
+    def client(params, config):
+        sent.append(config)
+        return handle_train(params, {k: v for k, v in config.items() if k != "deployment"})
 
-class RecordDictStub:
-    pass
+    cfg = small_config("server.task_timeout=30", "server.max_versions=1")
+    AsyncServer(cfg, LocalTransport(client), Store(f"sqlite:///{tmp_path / 'd'}.db"), clock="wall",
+                mode="deployment").run()
+    assert sent and all(c["task_timeout"] == 30.0 and c["deployment"] for c in sent)
+    message = NS(content=_content(sent[0]), metadata=NS(ttl=None))
+    assert task_deadline(message) == 60.0 + DEADLINE_GRACE_S
 
 
 def _content(config):

@@ -148,9 +148,8 @@ class DeployTransport(GridTransport):
     def __init__(self, grid: Grid, num_clients: int, registered: dict[int, int] | None = None,
                  public_keys: dict[int, bytes] | None = None, on_node: Callable[[int, int, dict], None] | None = None,
                  refresh_every: float = 3.0, hello_timeout: float = 120.0, hello_retry: float = 30.0,
-                 min_pull_interval: float = 0.5, group_id: str = "fedasync", task_timeout: float | None = None):
+                 min_pull_interval: float = 0.5, group_id: str = "fedasync"):
         super().__init__(grid, group_id)
-        self.task_timeout = task_timeout  # told to the device: its trainer kills a task hung past it
         self.num_clients = num_clients
         self.registered = dict(registered or {})
         self.public_keys = dict(public_keys or {})
@@ -169,12 +168,6 @@ class DeployTransport(GridTransport):
         self._last_pull = -1e9
 
     # -- what the loop asks ------------------------------------------------------------
-    def send(self, tasks: list[TaskMsg]) -> list[str | None]:
-        if self.task_timeout:
-            tasks = [TaskMsg(t.task_id, t.client_id, t.node_id, t.params,
-                             {**t.config, "task_timeout": float(self.task_timeout)}) for t in tasks]
-        return super().send(tasks)
-
     def available_clients(self) -> set[int]:
         return set(self.client_node)
 
@@ -420,8 +413,7 @@ def run_deployment(grid: Grid, job: dict) -> dict:
 
         transport = DeployTransport(grid, cfg.data.num_clients, registered=registered,
                                     public_keys=keys if cfg.deploy.signing else None, on_node=on_node,
-                                    hello_timeout=max(60.0, cfg.deploy.node_discovery_timeout),
-                                    task_timeout=cfg.server.task_timeout)
+                                    hello_timeout=max(60.0, cfg.deploy.node_discovery_timeout))
 
         def progress(ev: dict) -> None:
             log.info("v%d  updates=%d accepted=%d live=%d acc=%s", ev["version"], ev["updates"], ev["accepted"],

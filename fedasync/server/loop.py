@@ -292,8 +292,8 @@ class AsyncServer:
             "sleep_s": dur * self.cfg.clock.time_scale if self.cfg.clock.emulate else 0.0,
             "setup": self.setup_json,
         }
-        if self.mode == "deployment":
-            conf["deployment"] = True  # the ClientApp trains its own data and echoes who it is
+        if self.mode == "deployment":  # the ClientApp trains its own data and echoes who it is; its
+            conf.update(deployment=True, task_timeout=self.cfg.server.task_timeout)  # trainer's deadline
         if self.privacy is not None:
             conf["privacy"] = self.privacy.client_config(c)
         conf.update(self.policy.task_config(c))  # a simulated attacker's orders
