@@ -43,6 +43,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -172,6 +173,37 @@ def _log_secure_rng_once(caught: list) -> None:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
+class _EmptyBatchSafe:
+    """The wrapped model for ``grad_sample_mode`` functorch and ew, whose per-sample machinery
+    fails on the empty batches Poisson sampling draws (``vmap`` / ExpandedWeights of batch 0).
+
+    On an empty batch: forward through the plain model without it, and give every trainable
+    parameter the empty per-sample gradient ``hooks`` mode computes there, so that the
+    ``DPOptimizer`` still adds the noise (its clipped sum is zero) and the accountant counts the step.
+    """
+
+    def __init__(self, gsm: nn.Module) -> None:
+        self.gsm = gsm
+        self.switch = hasattr(gsm, "disable_hooks")  # functorch: its hooks also fire in backward
+        self.off = False
+
+    def __call__(self, x: torch.Tensor, *args, **kwargs):
+        if x.shape[0] > 0:
+            if self.off:
+                self.gsm.enable_hooks()
+                self.off = False
+            return self.gsm(x, *args, **kwargs)
+        if self.switch and not self.off:
+            self.gsm.disable_hooks()  # until the next non-empty batch (this one's backward included)
+            self.off = True
+        inner = self.gsm._module
+        out = inner(x, *args, **kwargs)
+        for p in inner.parameters():
+            if p.requires_grad:
+                p.grad_sample = p.new_zeros((0, *p.shape))
+        return out
+
+
 class OpacusHook:
     """``make_private`` hook for :func:`fedasync.task.train.local_train` (one per task).
 
@@ -223,9 +255,17 @@ class OpacusHook:
                                                     "mechanism": self.accountant_name})
         batch = int(getattr(data_loader, "planned_batch_size", None) or data_loader.batch_size)
         sample_seed, noise_seed = noise_seeds(self.seed, self.reproducible_noise)
-        # Opacus turns this loader into a Poisson DPDataLoader with q = 1 / len(loader), sampling
-        # with the loader's generator (secure_mode: with torchcsprng instead)
-        base = DataLoader(data_loader.dataset, batch_size=batch, generator=torch.Generator().manual_seed(sample_seed))
+        # Poisson sampling at q = 1 / ceil(n / batch), sampled with its own generator (secure_mode:
+        # Opacus swaps in torchcsprng).  Not make_private(poisson_sampling=True): its loader has
+        # int(1 / q) steps, which float rounding makes ceil(n / batch) - 1 for some sizes (93, 99,
+        # ...), and make_private accounts at 1 / len(loader), so the accountant recorded a larger q
+        # than the one sampled with and budgeted for.  Here len(loader) is exactly 1 / q.
+        from opacus.data_loader import DPDataLoader
+
+        k = math.ceil(len(data_loader.dataset) / batch)
+        base = DPDataLoader(data_loader.dataset, sample_rate=1.0 / k,
+                            generator=torch.Generator().manual_seed(sample_seed))
+        base.batch_sampler.steps = k
         device = next(model.parameters()).device
         kwargs: dict[str, Any] = {}
         if not self.secure_mode:
@@ -237,7 +277,7 @@ class OpacusHook:
             out = self.engine.make_private(
                 module=model, optimizer=optimizer, data_loader=base, criterion=nn.CrossEntropyLoss(),
                 noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
-                grad_sample_mode=self.grad_sample_mode, poisson_sampling=True, **kwargs,
+                grad_sample_mode=self.grad_sample_mode, poisson_sampling=False, **kwargs,
             )
         if self.grad_sample_mode == "ghost":
             module, dp_optimizer, criterion, loader = out  # the wrapped criterion's loss must be used
@@ -245,7 +285,12 @@ class OpacusHook:
             module, dp_optimizer, loader = out
             criterion = None
         self.module = module
-        self.sample_rate = 1.0 / len(base)
+        if self.grad_sample_mode in ("functorch", "ew"):
+            module = _EmptyBatchSafe(module)
+        self.sample_rate = 1.0 / len(loader)  # what make_private gave the accountant
+        if self.sample_rate != loader.batch_sampler.sample_rate:  # pragma: no cover - see above
+            raise PrivacyError(f"privacy: Opacus accounts q={self.sample_rate} but samples at "
+                               f"q={loader.batch_sampler.sample_rate}")
         return module, dp_optimizer, loader, criterion
 
     @property

@@ -16,10 +16,10 @@ is called once before the loop (Opacus' ``PrivacyEngine.make_private`` fits this
   ``seed`` attributes.  Do not hand it to Opacus' Poisson sampling as is:
   ``DPDataLoader.from_data_loader`` takes the sample rate as ``1 / len(data_loader)``
   = ``1 / steps``, which for ``steps > n`` makes Opacus' expected batch size 0 and the update
-  NaN.  Build ``DPDataLoader(loader.dataset, sample_rate=loader.planned_batch_size / n,
-  generator=torch.Generator().manual_seed(loader.seed))`` instead (opacus 1.6 has no ``steps``
-  argument; its length is ``1 / sample_rate``) and pass ``poisson_sampling=False``; checked
-  deterministic with ``grad_sample_mode`` ghost and hooks, for both models.
+  NaN.  :class:`fedasync.privacy.dp.OpacusHook` builds ``DPDataLoader(loader.dataset,
+  sample_rate=1 / k, generator=...)`` with ``k = ceil(n / planned_batch_size)``, sets its
+  sampler's ``steps`` to ``k`` (Opacus' own ``int(1 / sample_rate)`` is ``k - 1`` for some ``k``,
+  and ``make_private`` accounts at ``1 / len(loader)``) and passes ``poisson_sampling=False``.
 * The loop takes ``planned_steps`` batches from the returned loader, iterating it again if a pass
   yields fewer.  Each step: ``optimizer.zero_grad(); loss = criterion(model(xb), yb);
   loss.backward(); optimizer.step()``.  A returned criterion (Opacus ghost clipping's

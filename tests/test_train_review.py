@@ -1,0 +1,78 @@
+"""Review findings in local training, DP-SGD and the models (CPU, seconds)."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from fedasync.config import ModelConfig, TrainConfig
+from fedasync.privacy.budgets import epsilon_of, sample_rate_for
+from fedasync.privacy.dp import private_task
+from fedasync.task.models import build_model
+
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _pconf(**kw) -> dict:
+    d = {"accountant": "rdp", "delta": 1e-5, "epsilon": None, "noise_multiplier": 1.0, "max_grad_norm": 1.0,
+         "history": []}
+    d.update(kw)
+    return d
+
+
+@pytest.mark.parametrize("k", [93, 99])  # int(1 / (1 / k)) == k - 1 in floating point
+def test_accountant_records_the_sample_rate_that_was_sampled_and_budgeted(k):
+    # Opacus' Poisson loader has int(1 / q) steps and make_private accounts at 1 / len(loader):
+    # for these k the accountant recorded q = 1 / (k - 1), more than the q budgeted and sampled with
+    x = np.random.default_rng(0).normal(size=(k, 4)).astype(np.float32)
+    y = np.arange(k) % 2
+    q = sample_rate_for(k, 1)
+    assert q == 1 / k
+    model = build_model(ModelConfig(name="mlp", hidden=8), (4,), 2)
+    cfg = TrainConfig(local_steps=3, batch_size=1, device="cpu")
+    budget = epsilon_of([(1.0, q, 3)], 1e-5, "rdp")  # exactly what this task costs at q
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = private_task(model, x, y, cfg, seed=1, device=CPU, pconf=_pconf(epsilon=budget))
+    assert r.refused is None
+    assert r.metrics["sample_rate"] == q
+    assert r.metrics["accountant_history"] == [[1.0, q, 3]]
+    assert r.metrics["epsilon"] <= budget  # the budget check before training held after it
+
+
+def test_functorch_and_ew_take_empty_poisson_batches_like_hooks():
+    # 3 records, q = 1/3: about 30% of the steps draw an empty batch, where functorch's vmap and
+    # ExpandedWeights failed ("batch size must be positive"); each such step must still be a noised,
+    # accounted step: with the same seed every mode gives the parameters hooks mode gives
+    from fedasync.privacy.dp import OpacusHook
+    from fedasync.task.models import get_params, init_params, set_params
+    from fedasync.task.train import local_train
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 8, 8)).astype(np.float32)
+    y = np.array([0, 1, 2])
+    out = {}
+    for mode in ("hooks", "functorch", "ew"):
+        for name in ("mlp", "cnn"):
+            mcfg = ModelConfig(name=name, hidden=8)
+            model = build_model(mcfg, (8, 8), 3)
+            set_params(model, init_params(mcfg, (8, 8), 3, 0))
+            hook = OpacusHook(noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode=mode, seed=5,
+                              reproducible_noise=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                r = local_train(model, x, y, TrainConfig(local_steps=12, batch_size=1, lr=0.1), seed=5, device=CPU,
+                                make_private=hook)
+            hook.close()
+            assert r.steps == 12 and hook.history == [(1.0, 1 / 3, 12)]
+            assert not any(hasattr(p, "grad_sample") and p.grad_sample is not None for p in model.parameters())
+            out[mode, name] = get_params(model)
+    for mode in ("functorch", "ew"):
+        for name in ("mlp", "cnn"):
+            a, b = out[mode, name], out["hooks", name]
+            assert all(np.allclose(a[k], b[k], atol=1e-5) for k in a), (mode, name)
