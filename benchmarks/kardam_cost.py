@@ -8,7 +8,8 @@ Each model's parameters come from the model registry (MNIST's 28x28x1 input, 10 
 update is its base version minus a small step (a client's pseudo-gradient), a new base version
 every ``--buffer`` updates; the first ``--clients`` updates (each client's first: no coefficient
 yet) are not timed. Writes ``results/kardam_cost.json``: per model, the parameter count and the
-median and mean milliseconds per check, with the filter's kept base versions at the end.
+median and mean milliseconds per check, with the filter's kept base versions and the MB of
+what it remembers (each client's last update and those base versions) at the end.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def measure(model: str, clients: int, updates: int, buffer: int, seed: int = 0) 
     ms = [1000 * s for s in times]
     return {"model": model, "parameters": int(n), "clients": clients, "updates_timed": len(ms),
             "check_ms_median": round(statistics.median(ms), 3), "check_ms_mean": round(statistics.mean(ms), 3),
-            "base_versions_kept": len(f.models)}
+            "base_versions_kept": len(f.models),
+            "kept_mb": round((sum(x.nbytes for x, _ in f.prev.values()) + sum(x.nbytes for x in f.models.values())) / 2**20, 1)}
 
 
 def main() -> None:
@@ -68,7 +70,8 @@ def main() -> None:
         r = measure(m, a.clients, a.updates, a.buffer)
         out[m] = r
         print(f"{m:12s} {r['parameters']:>9,d} parameters: {r['check_ms_median']:.2f} ms per check (median), "
-              f"{r['check_ms_mean']:.2f} mean; {r['base_versions_kept']} base versions kept")
+              f"{r['check_ms_mean']:.2f} mean; {r['base_versions_kept']} base versions kept; "
+              f"{r['kept_mb']:,.1f} MB of remembered models")
     path = Path(a.out) / "kardam_cost.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1) + "\n")

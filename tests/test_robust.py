@@ -127,6 +127,24 @@ def test_kardam_same_base_model_and_dampening():
     assert set(k.models) == {4}
 
 
+def test_kardam_keeps_models_dtype_and_scores_in_float64():
+    """What kardam remembers of each client (its returned model, and the base model) is kept in
+    the model's own dtype, not float64 (half the memory: 6.7 MB a client for fedavg_cnn), while the
+    coefficient is still ``||g - g_prev|| / ||x - x_prev||`` computed in float64, exactly."""
+    rng = np.random.default_rng(0)
+    x0, x1 = ({"w": rng.standard_normal(50).astype(np.float32)} for _ in range(2))
+    y0 = {"w": (x0["w"] + rng.standard_normal(50).astype(np.float32))}
+    y1 = {"w": (x1["w"] + 3 * rng.standard_normal(50).astype(np.float32))}
+    k = Kardam(byzantine_fraction=0.0, window=5, warmup=1)
+    k.check(Update(0, 7, y0, x0, 0, 0, 10))
+    v = k.check(Update(1, 7, y1, x1, 1, 0, 10))
+    f64 = {n: {"w": a["w"].astype(np.float64)} for n, a in (("x0", x0), ("x1", x1), ("y0", y0), ("y1", y1))}
+    g0, g1 = f64["x0"]["w"] - f64["y0"]["w"], f64["x1"]["w"] - f64["y1"]["w"]
+    assert v.score == float(np.linalg.norm(g1 - g0)) / float(np.linalg.norm(f64["x1"]["w"] - f64["x0"]["w"]))
+    assert [a.dtype for a in (k.prev[7][0], *k.models.values())] == [np.float32, np.float32]
+    assert k.prev[7][0].nbytes == 50 * 4 and set(k.models) == {1}
+
+
 def test_kardam_state_round_trip_continues_identically():
     rng = np.random.default_rng(3)
     seq = [(int(rng.integers(6)), float(rng.normal()), float(rng.uniform(0.5, 3)), t) for t in range(80)]
