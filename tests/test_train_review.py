@@ -76,3 +76,30 @@ def test_functorch_and_ew_take_empty_poisson_batches_like_hooks():
         for name in ("mlp", "cnn"):
             a, b = out[mode, name], out["hooks", name]
             assert all(np.allclose(a[k], b[k], atol=1e-5) for k in a), (mode, name)
+
+
+def test_a_devices_own_data_that_does_not_fit_the_model_is_a_clear_error(tmp_path):
+    # before: torch's "Target 11 is out of bounds" / "mat1 and mat2 shapes cannot be multiplied"
+    from fedasync.clients.runner import handle_train
+    from fedasync.config import load_config
+    from fedasync.server.transport import client_setup_json
+    from fedasync.task.data import load_federated
+    from fedasync.task.models import init_params
+
+    cfg = load_config(None, ["data.num_clients=4", "server.concurrency=2", "server.buffer_size=2",
+                             "train.local_steps=2"])
+    fed = load_federated(cfg.data, cfg.seed)
+    params = init_params(cfg.model, fed.input_shape, fed.num_classes, cfg.seed)
+    task = {"setup": client_setup_json(cfg), "client_id": 1, "seed": 3}
+    rng = np.random.default_rng(0)
+    good_x = rng.normal(size=(20, *fed.input_shape)).astype(np.float32)
+    np.savez(tmp_path / "labels.npz", x=good_x, y=np.arange(20) % (fed.num_classes + 2))
+    np.savez(tmp_path / "shape.npz", x=rng.normal(size=(20, 28, 28)).astype(np.float32), y=np.arange(20) % 10)
+    np.savez(tmp_path / "good.npz", x=good_x, y=np.arange(20) % fed.num_classes)
+    with pytest.raises(ValueError, match=rf"labels\.npz: label {fed.num_classes + 1}, but the federation has "
+                                         rf"{fed.num_classes} classes"):
+        handle_train(params, task, data_path=str(tmp_path / "labels.npz"))
+    with pytest.raises(ValueError, match=r"shape\.npz: samples of shape \(28, 28\), but the federation's model "
+                                         r"takes samples of shape \(64,\)"):
+        handle_train(params, task, data_path=str(tmp_path / "shape.npz"))
+    assert handle_train(params, task, data_path=str(tmp_path / "good.npz"))["metrics"]["num_examples"] == 20

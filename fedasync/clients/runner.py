@@ -64,7 +64,7 @@ def _setup(setup_json: str):
     DataConfig.model_validate(s["data"])
     device = pick_device(train_cfg.device)
     model = build_model(model_cfg, shape, num_classes).to(device)
-    return s, num_classes, model, train_cfg, device
+    return s, num_classes, model, train_cfg, device, tuple(int(d) for d in shape)
 
 
 @functools.lru_cache(maxsize=4)
@@ -88,6 +88,17 @@ def local_data(setup_json: str, client_id: int, data_path: str | None = None):
     return _federation(setup_json).partitions[client_id]
 
 
+def check_device_data(path: str, x: np.ndarray, y: np.ndarray, shape: tuple[int, ...], num_classes: int) -> None:
+    """A device's own data must fit the federation's model: the same sample size, labels 0-(C-1)
+    (else torch fails deep inside training with a shape or ``Target ... is out of bounds`` error)."""
+    if int(np.prod(x.shape[1:])) != int(np.prod(shape)):
+        raise ValueError(f"data.path: {path}: samples of shape {tuple(x.shape[1:])}, but the federation's model "
+                         f"takes samples of shape {tuple(shape)}")
+    if len(y) and int(np.max(y)) >= num_classes:
+        raise ValueError(f"data.path: {path}: label {int(np.max(y))}, but the federation has {num_classes} "
+                         f"classes (labels 0-{num_classes - 1})")
+
+
 def warm(setup_json: str, client_id: int | None = None, data_path: str | None = None) -> None:
     """Load what a task of this setup needs (data, and the model when it trains on the CPU) into
     this process's caches, for the task processes forked from it (:mod:`fedasync.clients.warm`).
@@ -101,7 +112,7 @@ def warm(setup_json: str, client_id: int | None = None, data_path: str | None = 
 
         from fedasync.task.train import local_train
 
-        _s, _classes, model, train_cfg, device = _setup(setup_json)
+        _s, _classes, model, train_cfg, device, _shape = _setup(setup_json)
         x, y = fed.partitions[0] if fed.partitions else (None, None)
         if x is not None and len(y):
             # one step on a copy: torch's lazy set-up (optimizer, autograd) happens here, once,
@@ -127,8 +138,10 @@ def handle_train(params: Params, config: dict[str, Any], data_path: str | None =
         return {"refused": "attack_in_deployment", "metrics": {}}
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    _s, num_classes, model, train_cfg, device = _setup(config["setup"])
+    _s, num_classes, model, train_cfg, device, shape = _setup(config["setup"])
     x, y = local_data(config["setup"], int(config["client_id"]), data_path)
+    if data_path:
+        check_device_data(data_path, x, y, shape, num_classes)
     if attack and attack.get("kind") == "label_flip":
         from fedasync.clients.attack import flip_labels
 
