@@ -103,3 +103,30 @@ def test_a_devices_own_data_that_does_not_fit_the_model_is_a_clear_error(tmp_pat
                                          r"takes samples of shape \(64,\)"):
         handle_train(params, task, data_path=str(tmp_path / "shape.npz"))
     assert handle_train(params, task, data_path=str(tmp_path / "good.npz"))["metrics"]["num_examples"] == 20
+
+
+def test_a_real_device_refuses_an_attack_task_even_without_the_deployment_mark():
+    # like privacy.reproducible_noise: a device started by `fedasync client` never runs attack code,
+    # whatever server sends the task (it ran sign_flip for a task not marked ``deployment``)
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from fedasync.clients.runner import handle_train\n"
+        "from fedasync.config import load_config\n"
+        "from fedasync.server.transport import client_setup_json\n"
+        "from fedasync.task.data import load_federated\n"
+        "from fedasync.task.models import init_params\n"
+        "cfg = load_config(None, ['data.num_clients=4', 'server.concurrency=2', 'server.buffer_size=2',\n"
+        "                         'train.local_steps=2'])\n"
+        "fed = load_federated(cfg.data, cfg.seed)\n"
+        "params = init_params(cfg.model, fed.input_shape, fed.num_classes, cfg.seed)\n"
+        "task = {'setup': client_setup_json(cfg), 'client_id': 1, 'seed': 3, 'task_id': 4,\n"
+        "        'attack': {'kind': 'sign_flip', 'factor': 10.0}}\n"
+        "out = handle_train(params, task, device_node=True)\n"
+        "assert out['refused'] == 'attack_in_deployment' and 'params' not in out, out\n"
+        "assert 'fedasync.clients.attack' not in sys.modules\n"
+        "assert 'params' in handle_train(params, task)  # a simulated client still attacks\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

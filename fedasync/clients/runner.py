@@ -17,8 +17,9 @@ marked ``deployment`` never derives its noise from the seed the server sends: a 
 Simulated attacks: a simulation task for a malicious client carries ``"attack": {"kind": ...,
 "factor": ...}`` (``attack:`` in YAML, see :mod:`fedasync.clients.attack`). ``label_flip`` trains on
 flipped labels; ``sign_flip``, ``scale`` and ``gaussian`` transform the trained parameters before the
-reply. The attack module is imported only for such a task; a deployment task carrying ``attack`` is
-refused (``attack_in_deployment``) without training.
+reply. The attack module is imported only for such a task; a deployment task carrying ``attack``, or
+any task carrying it to a real device (``device_node``), is refused (``attack_in_deployment``)
+without training.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def handle_train(params: Params, config: dict[str, Any], data_path: str | None =
     from fedasync.task.train import local_train
 
     attack = config.get("attack")
-    if attack and config.get("deployment"):
+    if attack and (config.get("deployment") or device_node):  # a real device never runs attack code
         return {"refused": "attack_in_deployment", "metrics": {}}
     torch.set_num_threads(1)
     t0 = time.perf_counter()
