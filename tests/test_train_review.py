@@ -130,3 +130,32 @@ def test_a_real_device_refuses_an_attack_task_even_without_the_deployment_mark()
         "assert 'params' in handle_train(params, task)  # a simulated client still attacks\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+def test_the_noised_sum_is_averaged_over_n_over_k_records(mode):
+    # Opacus' expected batch size int(n * q) is n // k - 1 where n * (1 / k) rounds below n // k:
+    # 49 records at batch 1 divided by 0 (a NaN model), 784 at batch 16 by 15 (a 16/15 larger step)
+    from fedasync.privacy.dp import OpacusHook
+    from fedasync.task.models import get_params, init_params, set_params
+    from fedasync.task.train import local_train
+
+    for n, b in ((49, 1), (784, 16)):
+        x = np.zeros((n, 4), np.float32)  # zero inputs: the data moves only the last biases, by < 1e-2
+        y = np.arange(n) % 2
+        mcfg = ModelConfig(name="mlp", hidden=200)
+        model = build_model(mcfg, (4,), 2)
+        p0 = init_params(mcfg, (4,), 2, 0)
+        set_params(model, p0)
+        hook = OpacusHook(noise_multiplier=1.0, max_grad_norm=1000.0, grad_sample_mode=mode, seed=1,
+                          reproducible_noise=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            local_train(model, x, y, TrainConfig(local_steps=1, batch_size=b, lr=1.0), seed=1, device=CPU,
+                        make_private=hook)
+        hook.close()
+        p1 = get_params(model)
+        step = np.concatenate([(p1[k] - p0[k]).ravel() for k in p0])
+        assert np.isfinite(step).all(), (n, b)
+        # the step is the noise / (n // k) = sigma * C / b: std 1000 / b, over ~41k coordinates
+        assert abs(step.std() / (1000.0 / b) - 1) < 0.03, (n, b, step.std())

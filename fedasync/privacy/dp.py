@@ -284,6 +284,9 @@ class OpacusHook:
         else:
             module, dp_optimizer, loader = out
             criterion = None
+        # Opacus averages over int(n * q) records, which float rounding makes one less than n // k for
+        # some n (784 records, batch 16: 15, a 16/15 larger step; batch 1, 49 records: 0, a NaN model)
+        dp_optimizer.expected_batch_size = len(data_loader.dataset) // k
         self.module = module
         if self.grad_sample_mode in ("functorch", "ew"):
             module = _EmptyBatchSafe(module)
