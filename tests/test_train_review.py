@@ -159,3 +159,28 @@ def test_the_noised_sum_is_averaged_over_n_over_k_records(mode):
         assert np.isfinite(step).all(), (n, b)
         # the step is the noise / (n // k) = sigma * C / b: std 1000 / b, over ~41k coordinates
         assert abs(step.std() / (1000.0 / b) - 1) < 0.03, (n, b, step.std())
+
+
+def test_literature_models_are_what_their_papers_describe_and_opacus_can_train_them():
+    from torch import nn
+
+    from fedasync.privacy.dp import model_problems
+    from fedasync.task.models import get_params, init_params, num_params
+
+    cnn = build_model(ModelConfig(name="fedavg_cnn"), (28, 28), 10)  # McMahan et al. 2017
+    convs = [m for m in cnn.modules() if isinstance(m, nn.Conv2d)]
+    assert [(c.out_channels, c.kernel_size) for c in convs] == [(32, (5, 5)), (64, (5, 5))]
+    assert sum(isinstance(m, nn.MaxPool2d) and m.kernel_size == 2 for m in cnn.modules()) == 2
+    assert [m.out_features for m in cnn.modules() if isinstance(m, nn.Linear)] == [512, 10]
+    assert num_params(get_params(cnn)) == 1_663_370 and model_problems(cnn) == []
+    res = build_model(ModelConfig(name="resnet20"), (32, 32, 3), 10)
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in res.modules())
+    assert sum(isinstance(m, nn.GroupNorm) for m in res.modules()) == 1 + 9 * 2 + 2  # stem, blocks, shortcuts
+    assert sum(isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3) for m in res.modules()) == 19
+    assert model_problems(res) == [] and 0.26e6 < num_params(get_params(res)) < 0.28e6
+    assert res(torch.zeros(2, 32, 32, 3)).shape == (2, 10)
+    # input shape and classes come from the data; init is a pure function of the seed
+    p = init_params(ModelConfig(name="fedavg_cnn"), (3, 16, 16), 7, 5)
+    assert p["features.0.weight"].shape == (32, 3, 5, 5) and p["head.2.weight"].shape == (7, 512)
+    q = init_params(ModelConfig(name="fedavg_cnn"), (3, 16, 16), 7, 5)
+    assert all(np.array_equal(p[k], q[k]) for k in p)
