@@ -8,9 +8,13 @@ for all, or in-process with ``backend="local"``) and writes each run's directory
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from fedasync.config import Config, ConfigError, apply_overrides, config_from_dict
 
@@ -62,6 +66,29 @@ def resume_config(config: Optional[str], set_: list[str], out: Optional[Path], r
     return cfg
 
 
+@contextmanager
+def _signals_to(job) -> Iterator[None]:
+    """SIGINT/SIGTERM while Flower's engine runs: handed to ``job`` (the first stops the run after
+    the reply being handled, a second at once). The ServerApp runs in a thread that never sees a
+    signal; a KeyboardInterrupt in this thread instead left it waiting for replies from an engine
+    that had stopped (the command hung)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        job.request_stop(signum)
+        logging.getLogger("fedasync").warning("%s: %s", signal.Signals(signum).name, "stopping at once" if job.abort
+                                              else "stopping after the reply being handled (again to stop at once)")
+
+    prev = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, h in prev.items():
+            signal.signal(sig, h)
+
+
 def run_configs(
     configs: list[tuple[str, Config]],
     out_dirs: dict[str, Path],
@@ -92,6 +119,8 @@ def run_configs(
             server = AsyncServer(cfg, LocalTransport(), make_store(label, cfg), clock="virtual",
                                  progress=progress(label, cfg) if progress else None, resume_run_id=resume)
             on_result(label, cfg, server.run())
+            if summaries[label]["stop_reason"] == "interrupted":  # Ctrl-C stops the command, not one run
+                break
         return summaries
     from flwr.simulation import run_simulation
 
@@ -104,14 +133,15 @@ def run_configs(
     cpus = os.cpu_count() or 1
     job = Job(configs=configs, make_store=make_store, on_result=on_result, progress=progress,
               expected_nodes=n_nodes, resume_run_id=resume)
-    run_simulation(
-        server_app=make_server_app(job),
-        client_app=client_app,
-        num_supernodes=n_nodes,
-        backend_config={"client_resources": {"num_cpus": cpus / actors, "num_gpus": 0.0},
-                        "init_args": {"num_cpus": cpus, "include_dashboard": False,
-                                      "log_to_driver": verbose}},
-    )
+    with _signals_to(job):
+        run_simulation(
+            server_app=make_server_app(job),
+            client_app=client_app,
+            num_supernodes=n_nodes,
+            backend_config={"client_resources": {"num_cpus": cpus / actors, "num_gpus": 0.0},
+                            "init_args": {"num_cpus": cpus, "include_dashboard": False,
+                                          "log_to_driver": verbose}},
+        )
     if job.error is not None:
         if isinstance(job.error, KeyboardInterrupt):
             raise job.error

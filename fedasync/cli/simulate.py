@@ -101,15 +101,18 @@ def simulate(
             console.print(f"{escape(label)} privacy ({p['accountant']}, δ={p['delta']:g}): "
                           f"ε max {p['epsilon_max']:.3f}, mean {p['epsilon_mean']:.3f}; {p['clients_exhausted']} "
                           f"of {s['num_clients']} clients exhausted; stopped: {s['stop_reason']}", highlight=False)
-    if compare:
+    skipped = [label for label, _ in configs if label not in summaries]
+    if skipped:  # interrupted: the entries after the stopped one never started
+        console.print(escape("not run (interrupted): " + ", ".join(skipped)))
+    if compare and not skipped:
         paths = write_comparison(out, summaries, cfg.server.target_accuracy)
         ratios = json.loads(paths["comparison"].read_text())["time_to_target_ratio"]
         first = configs[0][0]
         console.print(escape("time-to-target ratio vs " + first + ": " + ", ".join(
             f"{k}={'-' if v is None else f'{v:.2f}'}" for k, v in ratios.items())))
         console.print(escape(f"wrote {paths['comparison']} and {paths['plot']}"))
-    for label, d in out_dirs.items():
-        s = summaries[label]
+    for label, s in summaries.items():
+        d = out_dirs[label]
         console.print(f"[bold]{escape(label)}[/bold]: " + escape(
             f"{d / 'summary.json'}, {d / 'history.csv'}, {d / 'accuracy.png'}, {d / 'participation.png'}, "
             f"{d / 'config.yaml'}; store {s['store_url']}"))

@@ -58,13 +58,21 @@ Params = dict[str, np.ndarray]
 class GridTransport:
     """Pushes one Message per task and pulls replies as they become ready."""
 
-    def __init__(self, grid: Grid, group_id: str = "fedasync"):
+    def __init__(self, grid: Grid, group_id: str = "fedasync", abort: Callable[[], bool] | None = None):
         self.grid = grid
         self.group_id = group_id
+        self.abort = abort  # true: stop at once (a second Ctrl-C), raised as KeyboardInterrupt in this thread
         self._records: list[tuple[Params, ArrayRecord]] = []  # (params, its record), newest first: see _record
 
     def node_ids(self) -> list[int]:
+        self._check_abort()
         return sorted(self.grid.get_node_ids())
+
+    def _check_abort(self) -> None:
+        """The simulation engine runs the ServerApp in a thread, which never sees a signal: the main
+        thread's handler (``fedasync.runs``) asks through ``abort``, and the loop ends as interrupted."""
+        if self.abort is not None and self.abort():
+            raise KeyboardInterrupt
 
     def _record(self, params: Params) -> ArrayRecord:
         """The ArrayRecord of ``params``, built once per model (the loop sends one params object
@@ -89,6 +97,7 @@ class GridTransport:
             time.sleep(0.2)
 
     def send(self, tasks: list[TaskMsg]) -> list[str | None]:
+        self._check_abort()
         msgs = [
             Message(task_content(self._record(t.params), t.config), dst_node_id=t.node_id,
                     message_type="train", group_id=self.group_id)
@@ -115,6 +124,7 @@ class GridTransport:
 
     def poll(self, message_ids: list[str]) -> list[tuple[str, Reply]]:
         out = []
+        self._check_abort()
         if not message_ids:
             return out
         for msg in self.grid.pull_messages(message_ids):
@@ -298,21 +308,41 @@ class Job:
     results: list[dict] = field(default_factory=list)
     error: BaseException | None = None
     error_text: str | None = None
+    # Ctrl-C/SIGTERM, set by the main thread (fedasync.runs): the first stops the run after the reply
+    # being handled, a second at once (``abort``); no further config starts
+    stop_signal: int | None = None
+    abort: bool = False
+    server: AsyncServer | None = None
+
+    def request_stop(self, signum: int) -> None:
+        if self.stop_signal is not None:
+            self.abort = True
+        self.stop_signal = signum
+        if self.server is not None:
+            self.server.stop.signal = signum
 
 
 def run_job(job: Job, grid: Grid) -> None:
-    transport = GridTransport(grid)
+    transport = GridTransport(grid, abort=lambda: job.abort or (job.stop_signal is not None and job.server is None))
     try:
         nodes = transport.wait_for_nodes(job.expected_nodes)
         for i, (label, cfg) in enumerate(job.configs):
+            if job.stop_signal is not None:
+                break
             store = job.make_store(label, cfg)
             progress = job.progress(label, cfg) if job.progress else None
             server = AsyncServer(cfg, transport, store, clock="virtual", progress=progress,
                                  node_for_client=lambda c, nodes=nodes: nodes[c % len(nodes)],
                                  resume_run_id=job.resume_run_id if i == 0 else None)
+            job.server = server
+            if job.stop_signal is not None:  # a signal while it was being built
+                server.stop.signal = job.stop_signal
             summary = server.run()
+            job.server = None
             job.results.append(summary)
             job.on_result(label, cfg, summary)
+            if job.stop_signal is not None:
+                break
             if i + 1 < len(job.configs):  # the next run starts on an engine without this one's leftovers
                 transport.drain(open_messages(server))
     except BaseException as e:  # the engine runs us in a thread: hand the error back

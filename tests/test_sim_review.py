@@ -1,0 +1,84 @@
+"""`fedasync simulate` stopped with Ctrl-C: the command ends, writes the interrupted run's outputs,
+starts no further --compare entry, and (Flower's engine) leaves no process behind."""
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import SMALL
+
+
+def _start(out, *extra):
+    args = [sys.executable, "-m", "fedasync", "simulate", "--out", str(out)]
+    for s in SMALL + ["server.max_versions=100000", "server.target_accuracy=null"]:
+        args += ["--set", s]
+
+    def sigint_default():  # a background job of a shell starts with SIGINT ignored
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    return subprocess.Popen(args + list(extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=sigint_default)
+
+
+def _versions(db) -> int:
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1) as c:
+            return c.execute("select count(*) from model_versions").fetchone()[0]
+    except sqlite3.Error:
+        return 0
+
+
+def _ctrl_c_when_running(p, db, timeout=300.0):
+    """Ctrl-C at a terminal: SIGINT to the whole process group, once ``db`` holds a few versions."""
+    t0 = time.time()
+    while _versions(db) < 3:
+        assert p.poll() is None, p.stdout.read()
+        assert time.time() - t0 < timeout, "the run did not start"
+        time.sleep(0.5)
+    os.killpg(p.pid, signal.SIGINT)
+    try:
+        out, _ = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail("the command hung after Ctrl-C:\n" + out[-3000:])
+    return out
+
+
+def _left_in_group(pgid: int) -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "pgid=,pid=,args="], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if line.split()[0] == str(pgid)]
+
+
+def test_ctrl_c_stops_a_compare_run_and_starts_no_other(tmp_path):
+    p = _start(tmp_path, "--backend", "local", "--compare", "fedbuff,fedasync")
+    out = _ctrl_c_when_running(p, tmp_path / "fedbuff" / "fedasync.db")
+    assert p.returncode == 0, out
+    assert json.loads((tmp_path / "fedbuff" / "summary.json").read_text())["stop_reason"] == "interrupted"
+    assert not (tmp_path / "fedasync").exists(), out
+    assert "not run (interrupted): fedasync" in out
+
+
+@pytest.mark.engine
+def test_ctrl_c_stops_a_flower_engine_run(tmp_path):
+    p = _start(tmp_path, "--backend", "flower", "--set", "simulation.num_actors=2")
+    try:
+        out = _ctrl_c_when_running(p, tmp_path / "fedasync.db")
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 0, out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["stop_reason"] == "interrupted" and summary["versions"] >= 3
+    assert f"--resume {summary['run_id']}" in out
+    time.sleep(2)
+    left = _left_in_group(p.pid)  # Ray's processes are in the command's process group
+    for line in left:
+        os.kill(int(line.split()[1]), signal.SIGKILL)
+    assert not left, left
