@@ -7,9 +7,10 @@ base versions are live, as in a FedBuff run.
 Each model's parameters come from the model registry (MNIST's 28x28x1 input, 10 classes). Every
 update is its base version minus a small step (a client's pseudo-gradient), a new base version
 every ``--buffer`` updates; the first ``--clients`` updates (each client's first: no coefficient
-yet) are not timed. Writes ``results/kardam_cost.json``: per model, the parameter count and the
-median and mean milliseconds per check, with the filter's kept base versions and the MB of
-what it remembers (each client's last update and those base versions) at the end.
+yet) are not timed; numpy's BLAS runs on one thread, as in the server loop. Writes
+``results/kardam_cost.json``: per model, the parameter count and the median and mean milliseconds
+per check, with the filter's kept base versions and the MB of what it remembers (each client's
+last update and those base versions) at the end.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from fedasync.config import ModelConfig
+from fedasync.server.params import one_blas_thread
 from fedasync.server.robust import Kardam
 from fedasync.task.models import build_model, get_params
 
@@ -67,7 +69,8 @@ def main() -> None:
     a = ap.parse_args()
     out = {}
     for m in a.models.split(","):
-        r = measure(m, a.clients, a.updates, a.buffer)
+        with one_blas_thread():  # as in the server loop (AsyncServer.run)
+            r = measure(m, a.clients, a.updates, a.buffer)
         out[m] = r
         print(f"{m:12s} {r['parameters']:>9,d} parameters: {r['check_ms_median']:.2f} ms per check (median), "
               f"{r['check_ms_mean']:.2f} mean; {r['base_versions_kept']} base versions kept; "

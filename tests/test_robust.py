@@ -17,6 +17,7 @@ from fedasync.server.robust import (
     centered_clip,
     flat,
     make_filter,
+    pseudo_gradient,
     trimmed_mean,
     unflat,
     validation_split,
@@ -143,6 +144,16 @@ def test_kardam_keeps_models_dtype_and_scores_in_float64():
     assert v.score == float(np.linalg.norm(g1 - g0)) / float(np.linalg.norm(f64["x1"]["w"] - f64["x0"]["w"]))
     assert [a.dtype for a in (k.prev[7][0], *k.models.values())] == [np.float32, np.float32]
     assert k.prev[7][0].nbytes == 50 * 4 and set(k.models) == {1}
+
+
+def test_pseudo_gradient_is_base_minus_update_in_float64_and_refuses_a_size_mismatch():
+    base = {"a": np.array([1.0, 2.0], np.float32), "b": np.array([[0.5]], np.float32)}
+    u = Update(0, 1, {"b": np.array([[0.25]], np.float32), "a": np.array([0.5, 3.0], np.float32)}, base, 0, 0, 1)
+    g = pseudo_gradient(u)
+    assert g.dtype == np.float64 and g.tolist() == [0.5, -1.0, 0.25]  # in the base model's key order
+    u.params["a"] = np.array([1.0], np.float32)  # one value: it must not broadcast
+    with pytest.raises(ValueError, match="'a' has 1 values in the update, 2 in the base model"):
+        pseudo_gradient(u, out=np.empty(3))
 
 
 def test_kardam_state_round_trip_continues_identically():

@@ -104,7 +104,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fedasync.server.params import _cast_like
+from fedasync.server.params import _BLOCK, _cast_like
 
 Params = dict[str, np.ndarray]
 
@@ -155,15 +155,22 @@ def dec_array(d: dict[str, Any]) -> np.ndarray:
 
 
 def pseudo_gradient(update: Any, x_base: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
-    """``g = x_base - x_client`` of an update (anything with ``params`` and ``base_params``), flat in
-    the base model's key order (``x_base``: ``flat(update.base_params)`` when already at hand;
-    ``out``: a float64 vector to write ``g`` into)."""
+    """``g = x_base - x_client`` of an update (with ``params`` and ``base_params``), flat in the base
+    model's key order (``x_base``: ``flat(update.base_params)`` when at hand; ``out``: where to write ``g``)."""
     if update.base_params is None:
         raise ValueError("robust filters need the update's base_params")
     if update.params.keys() != update.base_params.keys():
         raise ValueError("robust filters: update and base model have different keys")
-    g = flat({k: update.params[k] for k in update.base_params}, out=out)
-    return np.subtract(flat(update.base_params) if x_base is None else x_base, g, out=g)
+    x = flat(update.base_params) if x_base is None else x_base
+    g = np.empty_like(x) if out is None else out
+    i = 0
+    for k, b in update.base_params.items():  # each array cast to float64 inside the subtraction
+        a, n = np.asarray(update.params[k]).reshape(-1), np.asarray(b).size
+        if a.size != n:
+            raise ValueError(f"robust filters: {k!r} has {a.size} values in the update, {n} in the base model")
+        np.subtract(x[i: i + n], a, out=g[i: i + n])
+        i += n
+    return g
 
 
 # -- verdicts -----------------------------------------------------------------------------------
@@ -304,14 +311,12 @@ class Kardam(Filter):
         self.quantile = 1.0 - float(byzantine_fraction)
         self.window, self.warmup, self.dampening = int(window), int(warmup), float(dampening)
         self.coefficients: list[float] = []
-        # client -> (x_client, base_version) of its last update, and base_version -> x_base for the
-        # versions prev refers to: flat, in the models' own dtype (float32: half of float64's
-        # memory, 6.7 MB a client for fedavg_cnn); g_prev = float64(x_prev) - float64(x_client) is
-        # made again when needed, the same float64 operation as g's, so the same bits
+        # client -> (x_client, base_version), base_version -> x_base: flat, in the model's dtype (float32:
+        # half of float64's memory); g_prev = float64(x_prev) - float64(x_client) is made again when needed
         self.prev: dict[int, tuple[np.ndarray, int]] = {}
         self.models: dict[int, np.ndarray] = {}
         self._refs: Counter[int] = Counter()  # base_version -> how many clients' prev refer to it
-        self._work: dict[str, np.ndarray] = {}  # float64 scratch (13 MB each for a CNN): x, g, g_prev, diff
+        self._work: dict[str, np.ndarray] = {}  # float64 scratch: x, g, diff (13 MB each for a CNN), g_prev
         self._x_version: int | None = None  # the base version whose flat model is in _work["x"]
 
     def threshold(self) -> float | None:
@@ -320,8 +325,7 @@ class Kardam(Filter):
         return _quantile(self.coefficients, self.quantile)
 
     def coefficient(self, client: int, g: np.ndarray, x: np.ndarray) -> float | None:
-        """``||g - g_prev|| / ||x - x_prev||`` for ``client`` (``g``, ``x``: float64), or ``None``
-        (no previous update, or the same base model)."""
+        """``||g - g_prev|| / ||x - x_prev||`` for ``client``, or ``None`` (none before, or the same base)."""
         if client not in self.prev:
             return None
         g_prev, diff = self._work["g_prev"], self._work["diff"]
@@ -330,8 +334,11 @@ class Kardam(Filter):
         dx = float(np.linalg.norm(np.subtract(x, x_prev, out=diff)))
         if dx == 0.0:
             return None
-        np.subtract(x_prev, x_client, out=g_prev, dtype=np.float64)
-        return float(np.linalg.norm(np.subtract(g, g_prev, out=diff))) / dx
+        for lo in range(0, x.size, _BLOCK):  # g - g_prev, g_prev made block by block (it stays in cache)
+            hi = min(x.size, lo + _BLOCK)
+            np.subtract(x_prev[lo:hi], x_client[lo:hi], out=g_prev[:hi - lo], dtype=np.float64)
+            np.subtract(g[lo:hi], g_prev[:hi - lo], out=diff[lo:hi])
+        return float(np.linalg.norm(diff)) / dx
 
     def check(self, update: Any) -> Verdict:
         """Judge ``update``: its pseudo-gradient against the one of its client's previous update."""
@@ -349,8 +356,7 @@ class Kardam(Filter):
         return Verdict(reason, scale=scale if reason is None else 1.0, score=k, threshold=thr)
 
     def _remember(self, update: Any) -> None:
-        """``prev[client] = (x_client, version)``; ``models`` keeps the versions some ``prev``
-        refers to (reference counts: O(1) per update, not O(clients))."""
+        """``prev[client] = (x_client, version)``; ``models`` keeps the versions ``prev`` refers to (counted)."""
         client, version = int(update.client_id), int(update.base_version)
         old = self.prev.get(client)
         self.prev[client] = (flat({k: update.params[k] for k in update.base_params}, None), version)
@@ -363,13 +369,13 @@ class Kardam(Filter):
                 del self._refs[old[1]], self.models[old[1]]
 
     def _base(self, update: Any) -> np.ndarray:
-        """The update's base model, flat float64, in the scratch vectors (made, or resized, here:
-        writing into the same memory every time spares a fresh 13 MB's page faults per update)."""
+        """The update's base model, flat float64, in a scratch vector (reused: no fresh 13 MB per update)."""
         if update.base_params is None:
             raise ValueError("robust filters need the update's base_params")
         n = sum(np.asarray(a).size for a in update.base_params.values())
         if "x" not in self._work or self._work["x"].size != n:
-            self._work, self._x_version = {k: np.empty(n) for k in ("x", "g", "g_prev", "diff")}, None
+            self._work, self._x_version = {k: np.empty(n) for k in ("x", "g", "diff")}, None
+            self._work["g_prev"] = np.empty(min(n, _BLOCK))
         if self._x_version != int(update.base_version):
             flat(update.base_params, out=self._work["x"])
             self._x_version = int(update.base_version)
