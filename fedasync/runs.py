@@ -26,6 +26,10 @@ class RunError(ValueError):
     """A run that cannot be started or continued as asked: one line naming the option."""
 
 
+class EngineError(RuntimeError):
+    """Flower's simulation engine (Ray) failed to start or crashed: one line, its root cause."""
+
+
 def resume_config(config: Optional[str], set_: list[str], out: Optional[Path], run_id: int, cfg: Config,
                   mode: str) -> Config:
     """The config that continues run ``run_id``: its stored config (with ``--set``) when no CONFIG
@@ -133,15 +137,24 @@ def run_configs(
     cpus = os.cpu_count() or 1
     job = Job(configs=configs, make_store=make_store, on_result=on_result, progress=progress,
               expected_nodes=n_nodes, resume_run_id=resume)
-    with _signals_to(job):
-        run_simulation(
+    try:
+        with _signals_to(job):
+            run_simulation(
             server_app=make_server_app(job),
             client_app=client_app,
             num_supernodes=n_nodes,
-            backend_config={"client_resources": {"num_cpus": cpus / actors, "num_gpus": 0.0},
-                            "init_args": {"num_cpus": cpus, "include_dashboard": False,
-                                          "log_to_driver": verbose}},
-        )
+                backend_config={"client_resources": {"num_cpus": cpus / actors, "num_gpus": 0.0},
+                                "init_args": {"num_cpus": cpus, "include_dashboard": False,
+                                              "log_to_driver": verbose}},
+            )
+    except Exception as e:  # Ray did not start, the engine crashed: the ServerApp thread would wait
+        job.abort = True    # for replies forever (the command hung); it ends its run as interrupted
+        if job.started:
+            job.done.wait(60)
+        cause = e
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        raise EngineError(f"Flower's simulation engine failed: {type(cause).__name__}: {cause}") from e
     if job.error is not None:
         if isinstance(job.error, KeyboardInterrupt):
             raise job.error

@@ -14,7 +14,7 @@ from rich.markup import escape
 from fedasync.cli.common import (RunProgress, check_store_or_exit, console, data_or_exit, fail, load_or_exit,
                                  progress_bars, quiet_flower, summary_table)
 from fedasync.config import Config, ConfigError, apply_overrides, config_from_dict
-from fedasync.runs import RunError, resume_config, run_configs
+from fedasync.runs import EngineError, RunError, resume_config, run_configs
 
 
 def parse_compare(spec: str, base: Config) -> list[tuple[str, Config]]:
@@ -91,9 +91,12 @@ def simulate(
     out_dirs = {label: (out / label if compare else out) for label, _ in configs}
     quiet_flower(verbose)
     t0 = time.time()
-    with progress_bars() as bars:
-        summaries = run_configs(configs, out_dirs, backend, progress=lambda label, c: RunProgress(bars, label, c),
-                                resume=resume, verbose=verbose)
+    try:
+        with progress_bars() as bars:
+            summaries = run_configs(configs, out_dirs, backend, resume=resume, verbose=verbose,
+                                    progress=lambda label, c: RunProgress(bars, label, c))
+    except EngineError as e:  # not bad input: exit 1, one line (--verbose shows Flower's and Ray's logs)
+        fail(str(e), code=1)
     console.print(summary_table(summaries, f"{cfg.name} ({backend}, seed {cfg.seed})"))
     for label, s in summaries.items():  # privacy spent (DP runs)
         p = s.get("privacy")

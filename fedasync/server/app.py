@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -313,6 +314,8 @@ class Job:
     stop_signal: int | None = None
     abort: bool = False
     server: AsyncServer | None = None
+    started: bool = False  # run_job has begun (in the engine's ServerApp thread)
+    done: threading.Event = field(default_factory=threading.Event)  # run_job has returned
 
     def request_stop(self, signum: int) -> None:
         if self.stop_signal is not None:
@@ -323,6 +326,7 @@ class Job:
 
 
 def run_job(job: Job, grid: Grid) -> None:
+    job.started = True
     transport = GridTransport(grid, abort=lambda: job.abort or (job.stop_signal is not None and job.server is None))
     try:
         nodes = transport.wait_for_nodes(job.expected_nodes)
@@ -348,6 +352,8 @@ def run_job(job: Job, grid: Grid) -> None:
     except BaseException as e:  # the engine runs us in a thread: hand the error back
         job.error = e
         job.error_text = traceback.format_exc()
+    finally:
+        job.done.set()
 
 
 def make_server_app(job: Job) -> ServerApp:
