@@ -103,3 +103,22 @@ def test_a_ray_that_cannot_start_fails_in_one_line(tmp_path):
     assert p.returncode == 1, out + err
     assert err.strip().splitlines()[-1].startswith("error: Flower's simulation engine failed: ValueError: "), err
     assert "Traceback" not in err.split("Flower's simulation engine failed")[-1]
+
+
+def test_flwr_run_takes_the_nodes_its_federation_has():
+    """``flwr run .`` without ``simulation.num_supernodes``: the federation's size is Flower's
+    config, so the ServerApp takes the nodes that connect (until none joins for ``settle_s``)
+    instead of waiting for ``data.num_clients`` of them and failing after 120 s."""
+    from fedasync.server.app import GridTransport
+
+    class Grid:  # nodes join one by one, as a simulation engine registers them
+        calls = 0
+
+        def get_node_ids(self):
+            self.calls += 1
+            return list(range(1, min(self.calls, 3) + 1))
+
+    assert GridTransport(Grid()).wait_for_nodes(1) == [1]  # without settling: the first node only
+    assert GridTransport(Grid()).wait_for_nodes(1, settle_s=0.5) == [1, 2, 3]
+    with pytest.raises(RuntimeError, match="only 3 of 5 nodes connected"):
+        GridTransport(Grid()).wait_for_nodes(5, timeout=1.0, settle_s=0.5)

@@ -87,11 +87,15 @@ class GridTransport:
         self._records = [(params, rec), *self._records[:1]]
         return rec
 
-    def wait_for_nodes(self, n: int, timeout: float = 120.0) -> list[int]:
+    def wait_for_nodes(self, n: int, timeout: float = 120.0, settle_s: float = 0.0) -> list[int]:
+        """The connected nodes once there are ``n``, and (``settle_s`` > 0) no more joined for that long."""
         t0 = time.time()
+        seen, since = -1, t0
         while True:
             nodes = self.node_ids()
-            if len(nodes) >= n:
+            if len(nodes) != seen:
+                seen, since = len(nodes), time.time()
+            if len(nodes) >= n and time.time() - since >= settle_s:
                 return nodes
             if time.time() - t0 > timeout:
                 raise RuntimeError(f"only {len(nodes)} of {n} nodes connected after {timeout:.0f} s")
@@ -305,6 +309,7 @@ class Job:
     on_result: Callable[[str, Config, dict], None] = lambda label, cfg, summary: None
     progress: Callable[[str, Config], Callable[[dict], None]] | None = None
     expected_nodes: int = 1
+    settle_s: float = 0.0  # then wait until no node has joined for this long (flwr run: its federation's size)
     resume_run_id: int | None = None  # continue this run (the first config only)
     results: list[dict] = field(default_factory=list)
     error: BaseException | None = None
@@ -329,7 +334,9 @@ def run_job(job: Job, grid: Grid) -> None:
     job.started = True
     transport = GridTransport(grid, abort=lambda: job.abort or (job.stop_signal is not None and job.server is None))
     try:
-        nodes = transport.wait_for_nodes(job.expected_nodes)
+        nodes = transport.wait_for_nodes(job.expected_nodes, settle_s=job.settle_s)
+        if job.settle_s:
+            log.info("fedasync: %d node(s) connected; client c runs on node c %% %d", len(nodes), len(nodes))
         for i, (label, cfg) in enumerate(job.configs):
             if job.stop_signal is not None:
                 break
@@ -386,9 +393,12 @@ def main(grid: Grid, context: Context) -> None:
     def make_store(label: str, c: Config):
         return Store(c.store.url or default_sqlite_url(out))
 
+    # the federation's size is Flower's config (options.num-supernodes), not ours: without
+    # simulation.num_supernodes, take the nodes that connect (no new one for 2 s)
+    n = cfg.simulation.num_supernodes
     job = Job(configs=[(cfg.server.strategy, cfg)], make_store=make_store,
               on_result=lambda label, c, s: write_run_outputs(out, c, s),
-              expected_nodes=min(cfg.data.num_clients, cfg.simulation.num_supernodes or cfg.data.num_clients))
+              expected_nodes=min(cfg.data.num_clients, n or 1), settle_s=0.0 if n else 2.0)
     run_job(job, grid)
     if job.error is not None:
         raise job.error
