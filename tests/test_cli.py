@@ -51,6 +51,33 @@ def test_runs_on_a_missing_store_is_a_clear_error(tmp_path):
     assert r.exit_code == 2 and "no database" in r.output
 
 
+def test_runs_without_store_lists_the_run_directories_here(tmp_path, monkeypatch):
+    """`fedasync runs` with no --store reads ./fedasync.db and every runs/*/fedasync.db (where
+    simulate and server write by default: the old default, ./fedasync.db alone, found none of
+    them); a store it cannot read is skipped with a line, and nothing is created."""
+    from fedasync.store import Store
+
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["runs"])
+    assert r.exit_code == 2 and "no store here" in r.output and list(tmp_path.iterdir()) == []
+    for d, strategy in (("quickstart-20261206-000001", "fedbuff"), ("mnist-20261206-000002", "fedasync")):
+        (tmp_path / "runs" / d).mkdir(parents=True)
+        st = Store(f"sqlite:///{tmp_path / 'runs' / d / 'fedasync.db'}")
+        st.set_run_status(st.create_run(d.split("-")[0], strategy, 0, "", "simulation"), "finished",
+                          summary={"final_accuracy": 0.5})
+        st.close()
+    (tmp_path / "runs" / "broken").mkdir()
+    (tmp_path / "runs" / "broken" / "fedasync.db").write_text("junk")
+    r = CliRunner().invoke(app, ["runs"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    rows = {ln.split()[0]: ln.split() for ln in r.output.splitlines() if "-2026" in ln}
+    assert rows["quickstart-20261206-000001"][1:6] == ["1", "fedbuff", "simulation", "finished", "0"]
+    assert rows["mnist-20261206-000002"][2] == "fedasync" and rows["mnist-20261206-000002"][6] == "0.5000"
+    assert "skipped broken:" in r.output and "not an SQLite database" in r.output
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["broken", "mnist-20261206-000002",
+                                                                     "quickstart-20261206-000001"]
+
+
 def test_server_refuses_reproducible_noise_before_starting_anything(tmp_path, monkeypatch):
     from fedasync.config import packaged_example
 
