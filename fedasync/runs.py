@@ -14,7 +14,7 @@ import signal
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 from fedasync.config import Config, ConfigError, apply_overrides, config_from_dict
 
@@ -93,6 +93,17 @@ def _signals_to(job) -> Iterator[None]:
             signal.signal(sig, h)
 
 
+def ray_backend_config(actors: int, verbose: bool, environ: Mapping[str, str] = os.environ) -> dict:
+    """Flower's Ray backend config: ``actors`` actors share this machine's cores; with
+    ``RAY_ADDRESS`` set (an existing Ray cluster) Ray is not told the core count, which it
+    refuses when it joins a cluster, and each actor takes one of the cluster's cores."""
+    cpus = os.cpu_count() or 1
+    init: dict[str, Any] = {"include_dashboard": False, "log_to_driver": verbose}
+    if environ.get("RAY_ADDRESS"):
+        return {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": init}
+    return {"client_resources": {"num_cpus": cpus / actors, "num_gpus": 0.0}, "init_args": {"num_cpus": cpus, **init}}
+
+
 def run_configs(
     configs: list[tuple[str, Config]],
     out_dirs: dict[str, Path],
@@ -133,20 +144,12 @@ def run_configs(
 
     first = configs[0][1]
     n_nodes = first.simulation.num_supernodes or first.data.num_clients
-    actors = first.simulation.num_actors
-    cpus = os.cpu_count() or 1
     job = Job(configs=configs, make_store=make_store, on_result=on_result, progress=progress,
               expected_nodes=n_nodes, resume_run_id=resume)
     try:
         with _signals_to(job):
-            run_simulation(
-            server_app=make_server_app(job),
-            client_app=client_app,
-            num_supernodes=n_nodes,
-                backend_config={"client_resources": {"num_cpus": cpus / actors, "num_gpus": 0.0},
-                                "init_args": {"num_cpus": cpus, "include_dashboard": False,
-                                              "log_to_driver": verbose}},
-            )
+            run_simulation(server_app=make_server_app(job), client_app=client_app, num_supernodes=n_nodes,
+                           backend_config=ray_backend_config(first.simulation.num_actors, verbose))
     except Exception as e:  # Ray did not start, the engine crashed: the ServerApp thread would wait
         job.abort = True    # for replies forever (the command hung); it ends its run as interrupted
         if job.started:

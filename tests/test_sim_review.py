@@ -122,3 +122,15 @@ def test_flwr_run_takes_the_nodes_its_federation_has():
     assert GridTransport(Grid()).wait_for_nodes(1, settle_s=0.5) == [1, 2, 3]
     with pytest.raises(RuntimeError, match="only 3 of 5 nodes connected"):
         GridTransport(Grid()).wait_for_nodes(5, timeout=1.0, settle_s=0.5)
+
+
+def test_ray_backend_config_joins_an_existing_cluster_without_a_core_count():
+    """Ray refuses num_cpus when it joins a cluster (RAY_ADDRESS): fedasync simulate failed there.
+    Checked by hand against `ray start --head`: the same model sha256 as the local backend."""
+    from fedasync.runs import ray_backend_config
+
+    here = ray_backend_config(2, False, environ={})
+    assert here["init_args"]["num_cpus"] == (os.cpu_count() or 1)
+    assert here["client_resources"]["num_cpus"] == (os.cpu_count() or 1) / 2
+    cluster = ray_backend_config(2, False, environ={"RAY_ADDRESS": "10.0.0.1:6379"})
+    assert "num_cpus" not in cluster["init_args"] and cluster["client_resources"]["num_cpus"] == 1
