@@ -385,7 +385,7 @@ def test_warm_preload_then_forked_training_matches_in_process(tmp_path):
                              "train.device=cpu"])
     setup = client_setup_json(cfg)
     runner.warm(setup, 3)
-    _, _, model, _, _ = runner._setup(setup)
+    model = runner._setup(setup)[2]
     params = get_params(model)
     r, w = os.pipe()
     pid = os.fork()
