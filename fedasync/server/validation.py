@@ -113,7 +113,9 @@ class UpdateValidator:
                 return "extra_key"
         for k, (shape, dtype) in self.spec.items():
             a = params[k]
-            if not isinstance(a, np.ndarray) or a.shape != shape:
+            # a subclass is refused too: np.matrix, a masked array and the like redefine the
+            # arithmetic the checks and the strategies do (np.matrix's dot is a matrix product)
+            if type(a) is not np.ndarray or a.shape != shape:
                 return "bad_shape"
             if a.dtype != dtype:
                 return "bad_dtype"
@@ -129,10 +131,12 @@ class UpdateValidator:
     def check_identity(self, reply: Any, live: Any) -> str | None:
         claimed = (getattr(reply, "metrics", None) or {}).get("client_id")
         if claimed is not None:
-            try:
-                if int(claimed) != int(live.client_id):
+            try:  # a whole number naming the task's client (inf, NaN, 0.5, a list: unknown_client)
+                n = int(claimed)
+                if isinstance(claimed, bool) or (not isinstance(claimed, str) and n != claimed) \
+                        or n != int(live.client_id):
                     return "unknown_client"
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 return "unknown_client"
         if self.public_keys is not None and int(live.client_id) not in self.public_keys:
             return "unknown_client"
