@@ -2,7 +2,7 @@
 in tmp, a 4-client MLP) in which task 3's reply is broken in one way. Each run must finish, the
 broken reply must be in ``updates`` rejected with its reason, and the model versions must be
 exactly those of the same run in which task 3 failed instead (the honest replies are a pure
-function of the task's model and seed). Known bugs outside validation.py are ``xfail(strict)``."""
+function of the task's model and seed)."""
 
 from __future__ import annotations
 
@@ -267,19 +267,16 @@ def test_a_reply_through_the_wire_is_rejected_the_same_way(tmp_path):
 # -- known bugs outside validation.py (see the report); strict: they fail loudly once fixed --------
 
 
-@pytest.mark.xfail(strict=True, reason="records.as_float lets OverflowError out: float(10**400)")
 def test_a_huge_integer_loss_is_recorded_as_none(tmp_path):
     summary, ups, _, _ = _run(tmp_path, CONFIGS["fedasync"], _meta(loss=10**400))
     assert ups[BAD].accepted and ups[BAD].loss is None
 
 
-@pytest.mark.xfail(strict=True, reason="the row keeps num_examples_of(metrics) = 10**40: SQLite overflows")
 def test_a_huge_num_examples_is_rejected_not_a_crash(tmp_path):
     summary, ups, _, _ = _run(tmp_path, CONFIGS["fedasync"], _meta(num_examples=10**40))
     assert (ups[BAD].accepted, ups[BAD].reason) == (False, "bad_num_examples")
 
 
-@pytest.mark.xfail(strict=True, reason="dc_asgd overflows a finite update to inf; nothing checks the result")
 def test_delay_compensation_never_makes_the_model_non_finite(tmp_path):
     cfg = _cfg("fedasync", delay_compensation={"method": "dc_asgd"}, max_virtual_time=40.0)
     summary, ups, shas, finite = _run(tmp_path, cfg, _arr(lambda a: np.full_like(a, 1e30)))

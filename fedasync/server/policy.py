@@ -48,6 +48,7 @@ from fedasync.server import robust
 from fedasync.server.delay import make_delay_compensation
 from fedasync.server.scheduler import participation, scheduler_from_config
 from fedasync.server.strategies import Update
+from fedasync.server.validation import all_finite
 
 if TYPE_CHECKING:
     from fedasync.server.loop import AsyncServer
@@ -233,7 +234,10 @@ class Policies:
                     self.clipped += 1
                 upd.params = verdict.apply(upd)
         if self.compensate is not None and upd.base_version != version:
-            upd.params = self.compensate(params, upd.base_params, upd.params)
+            compensated = self.compensate(params, upd.base_params, upd.params)
+            if not all(all_finite(a) for a in compensated.values()):  # a finite update overflowed
+                return "non_finite"
+            upd.params = compensated
         return None
 
     def take_remembered(self) -> tuple[Params, int | None] | None:

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from fedasync.server.strategies import params_sha256
 from fedasync.server.transport import Live, Reply
+from fedasync.server.validation import MAX_EXAMPLES
 
 
 def as_int(x: Any) -> int | None:
@@ -28,7 +29,7 @@ def as_float(x: Any) -> float | None:
         return None
     try:
         f = float(x)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond float's range
         return None
     return f if math.isfinite(f) else None
 
@@ -81,7 +82,8 @@ def update_row(t: Live, reply: Reply, *, version_at_arrival: int, staleness: int
     return {
         "client_id": t.client_id, "base_version": t.base_version,
         "version_at_arrival": version_at_arrival, "staleness": staleness, "weight": weight,
-        "num_examples": num_examples, "loss": as_float(m.get("loss")), "epsilon": as_float(m.get("epsilon")),
+        "num_examples": num_examples if num_examples <= MAX_EXAMPLES else None,  # (bad_num_examples)
+        "loss": as_float(m.get("loss")), "epsilon": as_float(m.get("epsilon")),
         "params_sha256": params_sha256,
         "accepted": reason is None, "reason": reason, "received_virtual": now,
         "pending_params": reply.params if pending else None,
