@@ -42,13 +42,18 @@ def _ctrl_c_when_running(p, db, timeout=300.0):
         assert time.time() - t0 < timeout, "the run did not start"
         time.sleep(0.5)
     os.killpg(p.pid, signal.SIGINT)
+    return _communicate(p, 120, "after Ctrl-C")[0]
+
+
+def _communicate(p, timeout: float, what: str) -> tuple[str, str | None]:
+    """``p``'s output once it ends within ``timeout`` s; else its process group is killed and the
+    test fails ("the command hung ``what``")."""
     try:
-        out, _ = p.communicate(timeout=120)
+        return p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        pytest.fail("the command hung after Ctrl-C:\n" + out[-3000:])
-    return out
+        out, err = p.communicate()
+        pytest.fail(f"the command hung {what}:\n" + (err or out)[-3000:])
 
 
 def _left_in_group(pgid: int) -> list[str]:
@@ -95,12 +100,7 @@ def test_a_ray_that_cannot_start_fails_in_one_line(tmp_path):
     env = {**os.environ, "RAY_ADDRESS": "auto"}
     p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                          start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        pytest.fail("the command hung after Ray failed to start:\n" + err[-3000:])
+    out, err = _communicate(p, 150, "after Ray failed to start")
     assert p.returncode == 1, out + err
     assert err.strip().splitlines()[-1].startswith("error: Flower's simulation engine failed: ConnectionError: "), err
     assert "Traceback" not in err.split("Flower's simulation engine failed")[-1]
