@@ -53,6 +53,19 @@ def make_run_dir(out: Path | None, name: str) -> Path:
         raise ValueError(f"--out: {where}: cannot create the directory ({e.strerror or e})") from None
 
 
+def remove_if_empty(out: Path) -> bool:
+    """Remove ``out`` and the directories below it if none of them holds a file; whether it did."""
+    try:
+        if any(not p.is_dir() for p in out.rglob("*")):
+            return False
+        for d in sorted((p for p in out.rglob("*")), key=lambda p: len(p.parts), reverse=True):
+            d.rmdir()
+        out.rmdir()
+        return True
+    except OSError:  # gone already, or no permission: leave it
+        return False
+
+
 def new_run_dir(root: Path, name: str) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = root / f"{name}-{stamp}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import threading
 from contextlib import contextmanager
@@ -102,6 +103,27 @@ def ray_backend_config(actors: int, verbose: bool, environ: Mapping[str, str] = 
     if environ.get("RAY_ADDRESS"):
         return {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": init}
     return {"client_resources": {"num_cpus": cpus / actors, "num_gpus": 0.0}, "init_args": {"num_cpus": cpus, **init}}
+
+
+def ray_address_problem(environ: Mapping[str, str] = os.environ, timeout: float = 3.0) -> str | None:
+    """Why ``RAY_ADDRESS`` names no cluster that can be joined, in one line, or None. An address
+    ``host:port`` (or ``ray://host:port``) where nothing accepts a connection is found here in
+    ``timeout`` seconds: Ray itself retries it for minutes before it fails. ``auto``, ``local`` and
+    what cannot be parsed are left to Ray."""
+    import socket
+
+    addr = environ.get("RAY_ADDRESS", "").strip()
+    m = re.fullmatch(r"(?:ray://)?\[?([^\s\[\]/]+?)\]?:(\d{1,5})", addr)
+    if not m or not 0 < int(m.group(2)) < 65536:
+        return None
+    host, port = m.group(1), int(m.group(2))
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        why = "no answer" if isinstance(e, socket.timeout) else (e.strerror or type(e).__name__)
+        return (f"RAY_ADDRESS={addr}: no Ray cluster at {host}:{port} ({why}); start one there "
+                "(ray start --head) or unset RAY_ADDRESS to run on this machine")
+    return None
 
 
 def run_configs(

@@ -4,6 +4,7 @@ starts no further --compare entry, and (Flower's engine) leaves no process behin
 import json
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -94,7 +95,8 @@ def test_a_ray_that_cannot_start_fails_in_one_line(tmp_path):
     """RAY_ADDRESS=auto and no cluster runs: the command exits 1 with one line naming the cause (it
     printed Flower's traceback and hung: the ServerApp thread waited for replies forever). (An
     address where nothing listens is no quick failure: Ray retries it for minutes.)"""
-    args = [sys.executable, "-m", "fedasync", "simulate", "--out", str(tmp_path)]
+    out_dir = tmp_path / "new"  # made by the command, removed again: the engine failed before a run wrote to it
+    args = [sys.executable, "-m", "fedasync", "simulate", "--out", str(out_dir)]
     for s in SMALL:
         args += ["--set", s]
     env = {**os.environ, "RAY_ADDRESS": "auto"}
@@ -104,6 +106,55 @@ def test_a_ray_that_cannot_start_fails_in_one_line(tmp_path):
     assert p.returncode == 1, out + err
     assert err.strip().splitlines()[-1].startswith("error: Flower's simulation engine failed: ConnectionError: "), err
     assert "Traceback" not in err.split("Flower's simulation engine failed")[-1]
+    assert not out_dir.exists()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:  # bound, never listening: a connection to it is refused
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ray_address_where_no_cluster_listens_is_refused_at_once(tmp_path):
+    """RAY_ADDRESS naming host:port where nothing listens: Ray retried it for minutes (the command
+    looked hung); now `simulate` refuses it in one line before anything is written, exit 2."""
+    from fedasync.runs import ray_address_problem
+
+    port = _closed_port()
+    for addr in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        msg = ray_address_problem({"RAY_ADDRESS": addr}, timeout=2)
+        assert msg and msg.startswith(f"RAY_ADDRESS={addr}: no Ray cluster at 127.0.0.1:{port}"), msg
+    with socket.socket() as srv:  # something listens: joining it is left to Ray
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        assert ray_address_problem({"RAY_ADDRESS": f"127.0.0.1:{srv.getsockname()[1]}"}) is None
+    for addr in ("auto", "local", "", "not an address"):  # Ray's own forms, and what Ray reports itself
+        assert ray_address_problem({"RAY_ADDRESS": addr}) is None
+
+    from typer.testing import CliRunner
+
+    from fedasync.cli import app
+
+    out = tmp_path / "out"
+    sets = [a for s in SMALL for a in ("--set", s)]
+    r = CliRunner().invoke(app, ["simulate", "--out", str(out), *sets], env={"RAY_ADDRESS": f"127.0.0.1:{port}"})
+    assert r.exit_code == 2, r.output
+    assert f"no Ray cluster at 127.0.0.1:{port}" in r.output
+    assert not out.exists()
+    r = CliRunner().invoke(app, ["simulate", "--backend", "local", "--out", str(out), *sets,
+                                 "--set", "server.max_versions=2"], env={"RAY_ADDRESS": f"127.0.0.1:{port}"})
+    assert r.exit_code == 0, r.output  # the local backend does not use Ray
+
+
+def test_remove_if_empty_keeps_any_directory_holding_a_file(tmp_path):
+    from fedasync.outputs import remove_if_empty
+
+    (tmp_path / "a" / "b" / "c").mkdir(parents=True)
+    (tmp_path / "a" / "d").mkdir()
+    assert remove_if_empty(tmp_path / "a") and not (tmp_path / "a").exists()
+    (tmp_path / "x" / "y").mkdir(parents=True)
+    (tmp_path / "x" / "y" / "f").write_text("1")
+    assert not remove_if_empty(tmp_path / "x") and (tmp_path / "x" / "y" / "f").exists()
 
 
 def test_flwr_run_takes_the_nodes_its_federation_has():

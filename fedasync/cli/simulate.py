@@ -14,7 +14,7 @@ from rich.markup import escape
 from fedasync.cli.common import (RunProgress, check_store_or_exit, console, data_or_exit, fail, load_or_exit,
                                  progress_bars, quiet_flower, summary_table)
 from fedasync.config import Config, ConfigError, apply_overrides, config_from_dict
-from fedasync.runs import EngineError, RunError, resume_config, run_configs
+from fedasync.runs import EngineError, RunError, ray_address_problem, resume_config, run_configs
 
 
 def parse_compare(spec: str, base: Config) -> list[tuple[str, Config]]:
@@ -76,14 +76,18 @@ def simulate(
     if backend not in ("flower", "local"):
         fail(f"--backend: {backend!r} is not one of flower, local")
     data_or_exit(cfg)  # data and model (the --compare entries differ only in server)
-    from fedasync.outputs import make_run_dir, out_dir_problem, write_comparison
+    from fedasync.outputs import make_run_dir, out_dir_problem, remove_if_empty, write_comparison
 
     out_problem = out_dir_problem(out, resume)
     if out_problem:
         fail(out_problem)
     for label, c in configs:  # a store that cannot be opened: one line, before anything is written
         check_store_or_exit(c.store.url, "store.url")
+    ray_problem = ray_address_problem() if backend == "flower" else None
+    if ray_problem:  # Ray would retry an address where nothing listens for minutes
+        fail(ray_problem)
     # nothing is written before every input has been checked
+    existed = out is not None and out.exists()
     try:
         out = make_run_dir(out, cfg.name)
     except ValueError as e:  # a file on the way, no permission: one line (nothing written yet)
@@ -96,6 +100,8 @@ def simulate(
             summaries = run_configs(configs, out_dirs, backend, resume=resume, verbose=verbose,
                                     progress=lambda label, c: RunProgress(bars, label, c))
     except EngineError as e:  # not bad input: exit 1, one line (--verbose shows Flower's and Ray's logs)
+        if not existed:  # the directory made above, when the engine failed before a run wrote to it
+            remove_if_empty(out)
         fail(str(e), code=1)
     console.print(summary_table(summaries, f"{cfg.name} ({backend}, seed {cfg.seed})"))
     for label, s in summaries.items():  # privacy spent (DP runs)
