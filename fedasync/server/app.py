@@ -275,8 +275,7 @@ class DeployTransport(GridTransport):
             why = f"num-partitions {info.get('num_partitions')} differs from data.num_clients {self.num_clients}"
         elif c in self.registered and self.registered[c] != node:
             why = f"claims client {c}, whose SuperNode auth key is registered to node {self.registered[c]}"
-        elif any(n == node and k != c for k, n in self.registered.items()):
-            other = next(k for k, n in self.registered.items() if n == node)
+        elif (other := next((k for k, n in self.registered.items() if n == node and k != c), None)) is not None:
             why = f"claims client {c}, but its SuperNode auth key is client {other}'s"
         elif c in self.client_node and self.client_node[c] != node and self.client_node[c] in self.nodes:
             why = f"claims client {c}, already served by node {self.client_node[c]}"
