@@ -181,7 +181,10 @@ class _DurationsMixin:
         return self.dur_sum[int(client)] / n if n else None
 
     def _durations_state(self) -> dict[str, Any]:
-        return {"dur_sum": _pairs(self.dur_sum), "dur_n": _pairs(self.dur_n)}
+        # in insertion order, not sorted: ``expected_staleness`` sums ``dur_sum`` in that order, and
+        # a float sum in another order may differ in its last bit (a resumed run must not)
+        return {"dur_sum": [[int(k), v] for k, v in self.dur_sum.items()],
+                "dur_n": [[int(k), v] for k, v in self.dur_n.items()]}
 
     def _load_durations(self, d: dict[str, Any]) -> None:
         self.dur_sum = _unpairs(d["dur_sum"], float)
