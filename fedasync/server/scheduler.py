@@ -308,16 +308,20 @@ class StalenessAwareScheduler(_DurationsMixin, Scheduler):
             return 0.0
         return (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
 
-    def expected_staleness(self, client: int) -> float:
+    def _mean_over_all(self) -> float:
+        total_n = sum(self.dur_n.values())
+        return sum(self.dur_sum.values()) / total_n if total_n else 0.0
+
+    def expected_staleness(self, client: int, mean_over_all: float | None = None) -> float:
         d = self.mean_duration(client)
         if d is None:
-            total_n = sum(self.dur_n.values())
-            d = sum(self.dur_sum.values()) / total_n if total_n else 0.0
+            d = self._mean_over_all() if mean_over_all is None else mean_over_all
         return self.version_rate * d
 
     def costs(self, idle: Sequence[int]) -> list[float]:
         least = min(self.dispatches.get(int(c), 0) for c in idle)
-        return [self.expected_staleness(c) + self.balance * (self.dispatches.get(int(c), 0) - least)
+        everyone = self._mean_over_all()  # once per choice, not once per untried client
+        return [self.expected_staleness(c, everyone) + self.balance * (self.dispatches.get(int(c), 0) - least)
                 for c in idle]
 
     def choose(self, idle: Sequence[int]) -> int:
