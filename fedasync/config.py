@@ -82,7 +82,7 @@ class TrainConfig(_Section):
 class StalenessConfig(_Section):
     # adaptive: min(1, server.concurrency / (s + 1)) (Mishchenko et al. 2022); ignores a and b
     fn: Literal["constant", "polynomial", "hinge", "exponential", "adaptive"] = "polynomial"
-    a: float = Field(0.5, ge=0)
+    a: float = Field(0.5, ge=0, allow_inf_nan=False)
     b: float = Field(4.0, ge=0)
 
 
@@ -91,8 +91,8 @@ class SchedulerConfig(_Section):
 
     name: Literal["uniform", "fair", "fastest", "staleness_aware", "budget_aware"] = "uniform"
     explore: float = Field(0.1, ge=0, le=1)  # fastest: share of choices made uniformly at random
-    beta: float = Field(1.0, ge=0)  # fastest: p proportional to (estimated speed) ** beta
-    balance: float = Field(1.0, ge=0)  # staleness_aware: cost of one dispatch above the least-used client
+    beta: float = Field(1.0, ge=0, allow_inf_nan=False)  # fastest: p proportional to (estimated speed) ** beta
+    balance: float = Field(1.0, ge=0, allow_inf_nan=False)  # staleness_aware: cost of one dispatch above the least-used client
 
 
 class DelayCompensationConfig(_Section):
@@ -102,7 +102,7 @@ class DelayCompensationConfig(_Section):
                               validate_by_alias=True, serialize_by_alias=True)
 
     method: Literal["none", "dc_asgd"] = "none"
-    lambda_: float = Field(0.04, ge=0, alias="lambda")  # YAML key ``lambda`` (a Python keyword)
+    lambda_: float = Field(0.04, ge=0, allow_inf_nan=False, alias="lambda")  # YAML key ``lambda`` (a Python keyword)
 
 
 class RobustConfig(_Section):
@@ -176,14 +176,14 @@ class ServerConfig(_Section):
 
 
 class ClockConfig(_Section):
-    sigma: float = Field(1.0, ge=0)  # log-normal spread of relative compute speed
-    jitter: float = Field(0.1, ge=0)  # log-normal per-task jitter
-    step_time: float = Field(0.05, gt=0)  # virtual seconds per local step at speed 1
+    sigma: float = Field(1.0, ge=0, allow_inf_nan=False)  # log-normal spread of relative compute speed
+    jitter: float = Field(0.1, ge=0, allow_inf_nan=False)  # log-normal per-task jitter
+    step_time: float = Field(0.05, gt=0, allow_inf_nan=False)  # virtual seconds per local step at speed 1
     bandwidth_mbps: float = Field(20.0, gt=0)  # median, both ways
-    bandwidth_sigma: float = Field(0.5, ge=0)
-    latency_s: float = Field(0.05, ge=0)
+    bandwidth_sigma: float = Field(0.5, ge=0, allow_inf_nan=False)
+    latency_s: float = Field(0.05, ge=0, allow_inf_nan=False)
     emulate: bool = False  # clients really sleep duration * time_scale
-    time_scale: float = Field(0.01, gt=0)
+    time_scale: float = Field(0.01, gt=0, allow_inf_nan=False)
 
 
 class StoreConfig(_Section):

@@ -1,8 +1,15 @@
 """Review of the pure algorithm modules (scheduler, clock, delay, staleness, idle): one test per bug."""
 
 import json
+import math
 
-from fedasync.server.scheduler import StalenessAwareScheduler
+import numpy as np
+import pytest
+
+from fedasync.config import ConfigError, load_config
+from fedasync.server.delay import dc_asgd
+from fedasync.server.scheduler import StalenessAwareScheduler, make_scheduler
+from fedasync.server.staleness import make_staleness_fn
 
 
 def _staleness_aware_with_history():
@@ -56,3 +63,44 @@ def test_staleness_aware_choice_is_not_quadratic_in_the_clients():
     assert _CountingDict.calls <= 1
     assert cost == reference.costs(idle)
     assert [s.choose(idle) for _ in range(20)] == [reference.choose(idle) for _ in range(20)]
+
+
+NON_FINITE_KEYS = [
+    "server.staleness.a",  # exponential: S(0) = exp(-inf * 0) = NaN; polynomial, hinge: S = 0
+    "server.scheduler.beta",  # fastest: inf * log(1) = NaN probabilities, the choice raised
+    "server.scheduler.balance",  # staleness_aware: inf * 0 = NaN costs, no minimum, the choice raised
+    "server.delay_compensation.lambda",  # dc_asgd: inf * 0 = NaN in every coordinate, even a fresh update
+    "clock.sigma",  # speed exp(-inf) = 0: ZeroDivisionError at the first dispatch
+    "clock.bandwidth_sigma",  # bandwidth 0: ZeroDivisionError
+    "clock.jitter",  # durations inf (or 0): the virtual clock goes to inf, inf - inf = NaN durations
+    "clock.step_time",  # every duration inf
+    "clock.latency_s",  # every duration inf
+    "clock.time_scale",  # emulate: time.sleep(inf) raises OverflowError
+]
+
+
+@pytest.mark.parametrize("key", NON_FINITE_KEYS)
+@pytest.mark.parametrize("value", [".inf", "1e400"])
+def test_infinite_values_are_refused_naming_the_key(key, value):
+    """pydantic's ``ge=0``/``gt=0`` let ``inf`` through (NaN fails the comparison); each of these
+    cannot work with ``inf``, so the config refuses it in one line naming the key."""
+    with pytest.raises(ConfigError, match=rf"^{key}: "):
+        load_config(overrides=[f"{key}={value}"])
+
+
+def test_pure_constructors_refuse_non_finite_parameters():
+    """The registries are public too: a NaN ``a`` or ``b`` passed ``a < 0 or b < 0`` and gave NaN
+    weights; ``inf`` gave NaN where documented ``0 < S <= 1``."""
+    for kw in ({"a": math.nan}, {"b": math.nan}, {"a": math.inf}):
+        with pytest.raises(ValueError, match="staleness"):
+            make_staleness_fn("exponential", **kw)
+    assert make_staleness_fn("hinge", a=0.5, b=math.inf)(10**6) == 1.0  # b = inf works: never discounted
+    for name, kw in (("fastest", {"beta": math.inf}), ("fastest", {"beta": math.nan}),
+                     ("fastest", {"explore": math.nan}), ("staleness_aware", {"balance": math.inf}),
+                     ("staleness_aware", {"balance": math.nan})):
+        with pytest.raises(ValueError, match=name):
+            make_scheduler(name, 0, **kw)
+    x = {"w": np.ones(3, np.float32)}
+    for lam in (math.inf, math.nan):
+        with pytest.raises(ValueError, match="lambda"):
+            dc_asgd(x, x, x, lam)

@@ -52,8 +52,8 @@ def dc_asgd(x_now: Params, x_base: Params, x_client: Params, lam: float) -> Para
 
     New arrays, in ``x_client``'s key order and dtypes; inputs are not mutated.
     """
-    if lam < 0:
-        raise ValueError(f"dc_asgd: lambda must be >= 0, got {lam}")
+    if not 0 <= lam < np.inf:
+        raise ValueError(f"dc_asgd: lambda must be finite and >= 0, got {lam}")
     _check(x_client, x_base, "the update's base model")
     _check(x_client, x_now, "the current model")
     out: Params = {}

@@ -202,10 +202,10 @@ class FastestScheduler(_DurationsMixin, Scheduler):
 
     def __init__(self, seed: int = 0, explore: float = 0.1, beta: float = 1.0) -> None:
         super().__init__(seed)
-        if not 0.0 <= explore <= 1.0:
+        if not 0.0 <= explore <= 1.0:  # NaN fails it too
             raise ValueError(f"fastest: explore must be in [0, 1], got {explore}")
-        if beta < 0:
-            raise ValueError(f"fastest: beta must be >= 0, got {beta}")
+        if not 0 <= beta < math.inf:
+            raise ValueError(f"fastest: beta must be finite and >= 0, got {beta}")
         self.explore = float(explore)
         self.beta = float(beta)
         self._init_durations()
@@ -284,8 +284,8 @@ class StalenessAwareScheduler(_DurationsMixin, Scheduler):
 
     def __init__(self, seed: int = 0, balance: float = 1.0) -> None:
         super().__init__(seed)
-        if balance < 0:
-            raise ValueError(f"staleness_aware: balance must be >= 0, got {balance}")
+        if not 0 <= balance < math.inf:
+            raise ValueError(f"staleness_aware: balance must be finite and >= 0, got {balance}")
         self.balance = float(balance)
         self._init_durations()
         self.dispatches: dict[int, int] = {}

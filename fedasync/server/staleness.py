@@ -115,8 +115,8 @@ def make_staleness_fn(name: str, a: float = 0.5, b: float = 4.0, concurrency: in
     server's ``concurrency``) bound."""
     if name not in STALENESS:
         raise ValueError(f"unknown staleness function {name!r}; known: {', '.join(STALENESS)}")
-    if a < 0 or b < 0:
-        raise ValueError(f"staleness parameters must be >= 0 (a={a}, b={b})")
+    if not a >= 0 or not b >= 0 or math.isinf(a):  # NaN fails both comparisons; b = inf: never discounted
+        raise ValueError(f"staleness parameters must be >= 0, a finite (a={a}, b={b})")
     if name in NEEDS_CONCURRENCY:
         if concurrency is None or isinstance(concurrency, bool) or int(concurrency) != concurrency \
                 or concurrency < 1:
