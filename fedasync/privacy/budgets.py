@@ -77,7 +77,8 @@ def as_history(history: Iterable[Sequence] | None) -> History:
         if len(entry) != 3:
             raise PrivacyError(f"accountant history: bad entry {entry!r} (want [noise_multiplier, sample_rate, steps])")
         sigma, q, steps = float(entry[0]), float(entry[1]), int(entry[2])
-        if not (sigma >= 0 and 0 < q <= 1 and steps >= 0):
+        # an infinite sigma is refused: Opacus' RDP of it never returns (the server hung)
+        if not (math.isfinite(sigma) and sigma >= 0 and 0 < q <= 1 and steps >= 0):
             raise PrivacyError(f"accountant history: bad entry {entry!r}")
         out.append((sigma, q, steps))
     return out
