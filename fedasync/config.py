@@ -342,6 +342,13 @@ class Config(_Section):
             raise ValueError("server.delay_compensation.method: applies to fedasync and fedbuff, not fedavg")
         if self.attack is not None and self.attack.clients is not None:
             parse_client_set(self.attack.clients, n, key="attack.clients")
+        speed, bw = profile_draws(n, self.clock, self.seed)
+        for key, v in (("sigma", speed), ("bandwidth_sigma", bw)):
+            ok = (v > 0) & (v < float("inf"))
+            if not ok.all():
+                c = int((~ok).argmax())
+                raise ValueError(f"clock.{key}: {getattr(self.clock, key):g} draws {float(v[c]):g} for client {c} "
+                                 "(exp(spread * z) beyond float range): its tasks cannot be timed; use a smaller spread")
         return self
 
     # -- helpers -----------------------------------------------------------------
@@ -358,6 +365,25 @@ class Config(_Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+_PROFILE_STREAM = 0x70726F66  # "prof": keeps profile draws apart from other uses of the seed
+
+
+def profile_draws(num_clients: int, clock: ClockConfig, seed: int) -> tuple[Any, Any]:
+    """Each client's compute speed ``exp(sigma * z)`` and bandwidth in bit/s, as numpy arrays: the
+    draws of :func:`fedasync.server.clock.make_profiles`, here so the config can refuse a spread
+    that draws 0 or inf (clock.py imports this module, not the other way round)."""
+    import numpy as np
+
+    if num_clients < 0:
+        raise ValueError(f"num_clients must be >= 0, got {num_clients}")
+    rng = np.random.default_rng([seed, _PROFILE_STREAM])
+    z = rng.standard_normal((num_clients, 2))  # drawn whatever sigma is, so streams line up
+    with np.errstate(over="ignore", under="ignore"):
+        speed = np.exp(clock.sigma * z[:, 0])
+        bw = clock.bandwidth_mbps * 1e6 * np.exp(clock.bandwidth_sigma * z[:, 1])
+    return speed, bw
 
 
 # -- loading ------------------------------------------------------------------------

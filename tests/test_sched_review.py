@@ -6,7 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from fedasync.config import ConfigError, load_config
+from fedasync.config import ClockConfig, ConfigError, load_config
+from fedasync.server.clock import VirtualClock, make_profiles, task_duration
 from fedasync.server.delay import dc_asgd
 from fedasync.server.scheduler import StalenessAwareScheduler, make_scheduler
 from fedasync.server.staleness import make_staleness_fn
@@ -104,3 +105,31 @@ def test_pure_constructors_refuse_non_finite_parameters():
     for lam in (math.inf, math.nan):
         with pytest.raises(ValueError, match="lambda"):
             dc_asgd(x, x, x, lam)
+
+
+@pytest.mark.parametrize("key", ["clock.sigma", "clock.bandwidth_sigma"])
+def test_a_spread_that_makes_a_profile_zero_or_infinite_is_refused(key):
+    """A finite but huge log-normal spread (1000 here, on the quickstart's 100 clients) drew speeds
+    or bandwidths of exactly 0 or inf: the first dispatch to such a client raised ZeroDivisionError
+    (or its tasks lasted 0 or inf virtual seconds). Refused when the config is loaded, naming the key."""
+    with pytest.raises(ConfigError, match=rf"^{key}: "):
+        load_config(overrides=[f"{key}=1000"])
+    load_config(overrides=[f"{key}=3"])  # a wide but workable spread is still accepted
+
+
+def test_a_non_finite_task_duration_is_an_error_naming_the_key():
+    """A jitter whose factor overflows made a task last inf virtual seconds: the virtual clock
+    went to inf and later durations were inf - inf = NaN. Now an error naming clock.jitter."""
+    cfg = ClockConfig(jitter=1000.0)
+    profile = make_profiles(1, cfg, 0)[0]
+    with pytest.raises(ValueError, match="clock.jitter"):
+        for task_id in range(20):
+            task_duration(profile, 10, 1000, cfg, 0, task_id)
+
+
+def test_the_virtual_clock_refuses_nan():
+    """``advance_to(nan)`` passed ``t < now`` (False for NaN) and set the clock to NaN for good."""
+    clock = VirtualClock()
+    with pytest.raises(ValueError):
+        clock.advance_to(math.nan)
+    assert clock.now == 0.0

@@ -23,15 +23,14 @@ Pure: imports neither Flower nor the database.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from fedasync.config import ClockConfig
-
-_PROFILE_STREAM = 0x70726F66  # "prof": keeps profile draws apart from other uses of the seed
+from fedasync.config import ClockConfig, profile_draws
 
 
 @dataclass(frozen=True)
@@ -44,12 +43,7 @@ class ClientProfile:
 
 def make_profiles(num_clients: int, cfg: ClockConfig, seed: int) -> list[ClientProfile]:
     """One profile per client id ``0..num_clients-1``; deterministic for ``seed``."""
-    if num_clients < 0:
-        raise ValueError(f"num_clients must be >= 0, got {num_clients}")
-    rng = np.random.default_rng([seed, _PROFILE_STREAM])
-    z = rng.standard_normal((num_clients, 2))  # drawn whatever sigma is, so streams line up
-    speed = np.exp(cfg.sigma * z[:, 0])
-    bw = cfg.bandwidth_mbps * 1e6 * np.exp(cfg.bandwidth_sigma * z[:, 1])
+    speed, bw = profile_draws(num_clients, cfg, seed)  # refused by the config when 0 or inf
     return [
         ClientProfile(client_id=c, speed=float(speed[c]), bandwidth_bps=float(bw[c]), latency_s=float(cfg.latency_s))
         for c in range(num_clients)
@@ -63,10 +57,16 @@ def task_duration(
     if steps < 0 or model_bytes < 0:
         raise ValueError(f"steps and model_bytes must be >= 0 (got {steps}, {model_bytes})")
     z = np.random.default_rng([seed, task_id, profile.client_id]).standard_normal()
-    jitter_factor = float(np.exp(cfg.jitter * z))
+    with np.errstate(over="ignore", under="ignore"):
+        jitter_factor = float(np.exp(cfg.jitter * z))
     transfer = 2.0 * model_bytes * 8.0 / profile.bandwidth_bps
     compute = steps * cfg.step_time / profile.speed * jitter_factor
-    return 2.0 * profile.latency_s + transfer + compute
+    d = 2.0 * profile.latency_s + transfer + compute
+    if not math.isfinite(d):
+        raise ValueError(f"clock.jitter: task {task_id} of client {profile.client_id} would last {d} virtual "
+                         f"seconds (jitter factor {jitter_factor:g}, speed {profile.speed:g}); use a smaller "
+                         "clock.jitter or clock.sigma")
+    return d
 
 
 class VirtualClock:
@@ -82,6 +82,8 @@ class VirtualClock:
         return self._now
 
     def advance_to(self, t: float) -> None:
+        if t != t:
+            raise ValueError("the virtual clock cannot go to NaN")
         if t < self._now:
             raise ValueError(f"the virtual clock cannot go back (now {self._now}, asked {t})")
         self._now = float(t)
