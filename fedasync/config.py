@@ -343,12 +343,12 @@ class Config(_Section):
         if self.attack is not None and self.attack.clients is not None:
             parse_client_set(self.attack.clients, n, key="attack.clients")
         speed, bw = profile_draws(n, self.clock, self.seed)
-        for key, v in (("sigma", speed), ("bandwidth_sigma", bw)):
-            ok = (v > 0) & (v < float("inf"))
-            if not ok.all():
-                c = int((~ok).argmax())
-                raise ValueError(f"clock.{key}: {getattr(self.clock, key):g} draws {float(v[c]):g} for client {c} "
-                                 "(exp(spread * z) beyond float range): its tasks cannot be timed; use a smaller spread")
+        for key, v in (("sigma", speed), ("bandwidth_sigma", bw)):  # a task's duration divides by both
+            if not (v > 0).all():
+                c = int((v <= 0).argmax())
+                raise ValueError(f"clock.{key}: {getattr(self.clock, key):g} draws a {key[:-6] or 'speed'} of 0 for "
+                                 f"client {c} (exp(spread * z) below float range): its tasks cannot be timed; use a "
+                                 "smaller spread")
         return self
 
     # -- helpers -----------------------------------------------------------------

@@ -64,8 +64,9 @@ def task_duration(
     d = 2.0 * profile.latency_s + transfer + compute
     if not math.isfinite(d):
         raise ValueError(f"clock.jitter: task {task_id} of client {profile.client_id} would last {d} virtual "
-                         f"seconds (jitter factor {jitter_factor:g}, speed {profile.speed:g}); use a smaller "
-                         "clock.jitter or clock.sigma")
+                         f"seconds (transfer {transfer:g} s, compute {compute:g} s: jitter factor "
+                         f"{jitter_factor:g}, speed {profile.speed:g}); use a smaller clock.jitter or clock.sigma, "
+                         "or a larger clock.bandwidth_mbps")
     return d
 
 
