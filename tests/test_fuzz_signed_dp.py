@@ -142,7 +142,7 @@ def _baseline(tmp_path, cfg_name, sign):
     return _BASELINES[key]
 
 
-def _check_rejected(tmp_path, cfg_name, sign, mutate, reason):
+def _check_rejected(tmp_path, cfg_name, sign, mutate, reason, same_model=True):
     out = _run(tmp_path, {"plain": PLAIN, "dp": DP}[cfg_name], Client(sign, mutate), sign)
     assert BAD in out["ups"], "the malformed reply is not in updates"
     u = out["ups"][BAD]
@@ -150,7 +150,8 @@ def _check_rejected(tmp_path, cfg_name, sign, mutate, reason):
     assert out["summary"]["rejections"].get(reason, 0) >= 1
     assert out["summary"]["stop_reason"] == "max_versions" and out["finite"]
     assert all(v.accepted for t, v in out["ups"].items() if t != BAD)  # nothing else is refused after it
-    assert out["shas"] == _baseline(tmp_path, cfg_name, sign)
+    if same_model:
+        assert out["shas"] == _baseline(tmp_path, cfg_name, sign)
     return out
 
 
@@ -396,17 +397,19 @@ def test_a_wrong_epsilon_with_a_true_history_is_recorded_as_the_truth(tmp_path, 
     _check_records(out)
 
 
-@pytest.mark.xfail(strict=True, reason="extend_history steps the accountant once per step: dp_steps=10**9 stalls the run")
-def test_a_huge_dp_steps_is_charged_without_hanging_the_server(tmp_path):
+@pytest.mark.parametrize("steps", [10**9, pytest.param(10**30, marks=pytest.mark.xfail(
+    strict=True, reason="dp_steps beyond the store's INTEGER column crashes the run (OverflowError)"))], ids=["1e9", "1e30"])
+def test_a_huge_dp_steps_is_charged_without_hanging_the_server(tmp_path, steps):
     """dp_steps = 10**9: the accountant was stepped once per step (minutes, the run stalled)."""
     logging.disable(logging.ERROR)
     try:
-        out = _check_rejected(tmp_path, "dp", False, _dp_meta(dp_steps=10**9), "over_budget")
+        # (its client is then out of budget: it refuses its next tasks, so the model differs from the baseline)
+        out = _check_rejected(tmp_path, "dp", False, _dp_meta(dp_steps=steps), "over_budget", same_model=False)
     finally:
         logging.disable(logging.NOTSET)
     c = out["ups"][BAD].client_id
     hist = json.loads(out["clients"][c].accountant_state)["history"]
-    assert history_steps(hist) >= 10**9  # charged what it claims: over its budget
+    assert history_steps(hist) >= steps  # charged what it claims: over its budget
     assert out["clients"][c].epsilon > 50.0
 
 

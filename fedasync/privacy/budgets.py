@@ -145,12 +145,17 @@ def extend_history(history: Iterable[Sequence] | None, noise_multiplier: float, 
     result equals the history of the accountant that trained (consecutive equal entries merge).
     """
     acc = new_accountant(accountant, history)
+    steps = int(steps)
     try:
-        for _ in range(int(steps)):
+        if steps > 0:  # one step as the hook does; the rest only count (a reply's dp_steps=10**9 looped for minutes)
             acc.step(noise_multiplier=float(noise_multiplier), sample_rate=float(sample_rate))
     except ValueError as e:  # gdp: sigma and q must stay constant
         raise PrivacyError(f"privacy.local_dp.accountant {accountant}: {e}") from None
-    return as_history(acc.history)
+    out = as_history(acc.history)
+    if steps > 1:  # every accountant merges a step equal to the last entry into it
+        sigma, q, n = out[-1]
+        out[-1] = (sigma, q, n + steps - 1)
+    return out
 
 
 # -- sample rates, steps, calibration --------------------------------------------------------------
