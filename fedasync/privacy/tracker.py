@@ -53,6 +53,9 @@ from fedasync.privacy.budgets import (
 
 log = logging.getLogger("fedasync.privacy")
 
+#: the most DP-SGD steps one reply may report (``privacy_spend.steps``, an INTEGER column)
+MAX_STEPS = 2**31 - 1
+
 CENTRAL_ASSUMPTION = ("each fedbuff aggregation is one release of the Gaussian mechanism on the clipped deltas "
                       "of K distinct clients (one term per client), accounted as if its K clients were "
                       "Poisson-sampled from all clients with q = K / num_clients (asynchronous arrival is not "
@@ -226,7 +229,9 @@ class PrivacyTracker:
             m = metrics if isinstance(metrics, dict) else {}
             sigma, q, steps = float(m["noise_multiplier"]), float(m["sample_rate"]), int(m["dp_steps"])
             reported, eps = as_history(m["accountant_history"]), float(m["epsilon"])
-            if not (math.isfinite(sigma) and sigma >= 0 and 0 < q <= 1 and steps >= 0 and eps >= 0):
+            # dp_steps: a whole number the store's integer column holds (2.5 was charged 2; 10**30 crashed the run)
+            whole = not isinstance(m["dp_steps"], bool) and steps == m["dp_steps"] and steps <= MAX_STEPS
+            if not (whole and math.isfinite(sigma) and sigma >= 0 and 0 < q <= 1 and steps >= 0 and eps >= 0):
                 raise ValueError("out of range")
         except (KeyError, TypeError, ValueError, OverflowError) as e:  # PrivacyError is a ValueError
             log.error("client %d replied without valid privacy accounting in a DP run (%s: %s): charged the "
