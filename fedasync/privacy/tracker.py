@@ -99,6 +99,20 @@ def check_runnable(cfg: Config) -> None:
         plan_clients(cfg, fed.sizes())  # resolves every budget and calibrates sigma (cached)
 
 
+def _covers(reported, composed) -> bool:
+    """Whether ``reported`` holds every step of ``composed`` at the same ``(sigma, q)``. Then its RDP
+    is at least the composition's at every order, so its epsilon is too, now and after any further
+    steps; more steps alone are not enough (steps at a huge sigma spend nothing: a reply that swapped
+    the record for them lowered the client's epsilon, and it trained past its budget)."""
+    have: dict[tuple[float, float], int] = {}
+    for sigma, q, n in reported:
+        have[(sigma, q)] = have.get((sigma, q), 0) + n
+    need: dict[tuple[float, float], int] = {}
+    for sigma, q, n in composed:
+        need[(sigma, q)] = need.get((sigma, q), 0) + n
+    return all(have.get(k, 0) >= n for k, n in need.items())
+
+
 class PrivacyTracker:
     """Per-client accountants (their histories) and central DP accounting for one run."""
 
@@ -213,8 +227,8 @@ class PrivacyTracker:
 
         The server's record of a client only grows: it is the record before this task composed
         with this task's ``(noise_multiplier, sample_rate, dp_steps)``, or the device's own history
-        when that holds at least as many steps (a device with a state file knows of tasks the
-        server lost). A device that started from an older record (a task that overlapped another
+        when that holds all of the composition's steps (:func:`_covers`; a device with a state file
+        knows of tasks the server lost). A device that started from an older record (a task that overlapped another
         one of the same client, a record lost in a crash) reports a history that misses steps: the
         composition keeps them. A reply whose accounting is missing or malformed is charged the
         task the server planned and rejected (``privacy_accounting``); one whose epsilon is over
@@ -239,14 +253,15 @@ class PrivacyTracker:
             reason, reported = "privacy_accounting", None
             sigma, q, steps = plan.noise_multiplier, plan.sample_rate, plan.steps
         composed = extend_history(prior, sigma, q, steps, dp.accountant)
-        if reported is not None and history_steps(reported) >= history_steps(composed):
+        if reported is not None and _covers(reported, composed):
             hist = reported  # the device's own record: this task and at least all the server knows
             if dp.accountant == "rdp":  # cheap (cached per (sigma, q)): the server's own figure, not the device's
                 eps = epsilon_of(hist, plan.budget.delta, dp.accountant)
         else:
             if reported is not None:
-                log.warning("client %d's accountant history has %d steps, the server's record plus this task %d: "
-                            "recorded the composition", client_id, history_steps(reported), history_steps(composed))
+                log.warning("client %d's accountant history (%d steps) does not hold the server's record plus this "
+                            "task (%d steps): recorded the composition", client_id, history_steps(reported),
+                            history_steps(composed))
             hist, eps = composed, epsilon_of(composed, plan.budget.delta, dp.accountant)
         budget = plan.budget.epsilon
         if reason is None and budget is not None and eps > budget:
