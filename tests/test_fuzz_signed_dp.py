@@ -467,3 +467,40 @@ def test_an_unauthenticated_reply_does_not_rewrite_a_clients_record(tmp_path):
     assert out["spend"][BAD].epsilon >= honest_run["spend"][BAD].epsilon
     assert out["clients"][c].epsilon >= honest_run["clients"][c].epsilon
     _check_records(out)
+
+
+def _forged(**kv):
+    """A reply that its client did not sign (signed by no one: a bit flipped), claiming ``kv``."""
+    def m(r, config):
+        r = dict(r, metrics=dict(r["metrics"], **kv))
+        r["signature"] = _flip(r["signature"])
+        return r
+    return m
+
+
+@pytest.mark.parametrize("case", ["claims_no_spend", "claims_a_huge_spend", "claims_another_client"])
+def test_an_unauthenticated_reply_is_charged_the_planned_task_not_its_claims(tmp_path, case):
+    """Signing on: what a reply rejected bad_signature / unknown_client reports is nobody's word, so
+    its client is charged the task the server planned (as for a malformed accounting): a forger
+    must neither erase the task's spend (noise 1e6, 0 steps) nor exhaust the client's budget."""
+    mutate = {"claims_no_spend": _forged(noise_multiplier=1e6, dp_steps=0, epsilon=0.0),
+              "claims_a_huge_spend": _forged(dp_steps=10**9),
+              "claims_another_client": lambda r, c: _sign(dict(r, metrics=dict(
+                  r["metrics"], dp_steps=10**9, client_id=(c["client_id"] + 1) % 4)), c,
+                  key=KEYS[(int(c["client_id"]) + 1) % 4])}[case]
+    reason = "unknown_client" if case == "claims_another_client" else "bad_signature"
+    logging.disable(logging.ERROR)
+    try:
+        honest_run = _run(tmp_path, DP, Client(True), True)
+        out = _check_rejected(tmp_path, "dp", True, mutate, reason)
+    finally:
+        logging.disable(logging.NOTSET)
+    row, truth = out["spend"][BAD], honest_run["spend"][BAD]
+    assert (row.steps, row.noise_multiplier, row.sample_rate) == (truth.steps, truth.noise_multiplier,
+                                                                  truth.sample_rate)
+    assert row.epsilon == truth.epsilon
+    assert all(r.steps == 1 for r in out["spend"].values())  # every task charged its planned step, no more
+    for c, r in out["clients"].items():  # each record: exactly the tasks charged
+        steps = sum(x.steps for x in out["spend"].values() if x.client_id == c)
+        assert history_steps(json.loads(r.accountant_state)["history"] if r.accountant_state else []) == steps
+    _check_records(out)

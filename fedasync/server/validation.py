@@ -18,6 +18,9 @@ Each check returns a short, stable reason string that is recorded with the rejec
    parameters, num_examples, sha256 of the metrics)`` (:func:`fedasync.signing.update_message`),
    checked against the reply's metrics as the server uses them: the weight
    :func:`fedasync.signing.num_examples_of` and the metrics the privacy accountant records.
+   With signing on, a reply rejected ``unknown_client`` or ``bad_signature`` loses its metrics
+   (``reply.metrics = {}``): they are nobody's word, so its row records none and a DP run charges
+   its client the task the server planned.
 4. ``missing_key`` / ``extra_key`` / ``bad_shape`` / ``bad_dtype`` / ``non_finite``: the
    parameters must have exactly the global model's keys, shapes and dtypes, all values finite.
 5. ``norm_exceeded``: ``||x_i - x_base||_2 > server.max_update_norm`` (when set).
@@ -162,14 +165,14 @@ class UpdateValidator:
               base: Params | None = None) -> str | None:
         reason = self.check_identity(reply, live)
         if reason:
-            return reason
+            return self._unauthenticated(reply, reason)
         if reply.params is None:
             return "missing_params"
         if bad_num_examples(getattr(reply, "metrics", None)):
             return "bad_num_examples"
         reason = self.check_signature(reply, live, run_id)
         if reason:
-            return reason
+            return self._unauthenticated(reply, reason)
         if self.signature_check is not None:
             reason = self.signature_check(reply, live, run_id)
             if reason:
@@ -180,3 +183,12 @@ class UpdateValidator:
         if self.cfg.max_staleness is not None and staleness > self.cfg.max_staleness:
             return "stale"
         return None
+
+    def _unauthenticated(self, reply: Any, reason: str) -> str:
+        """With signing on, a reply that is not its task's client's (``unknown_client``,
+        ``bad_signature``) has its metrics dropped: the loop records them (its row, and under local DP
+        the client's privacy spend, then charged the planned task), and they are nobody's word (a
+        forged 0 steps erased the task's spend, a forged 10**9 exhausted the client's budget)."""
+        if self.signing and hasattr(reply, "metrics"):
+            reply.metrics = {}
+        return reason
