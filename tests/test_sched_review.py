@@ -148,11 +148,10 @@ def _flaky(params, config):
     return handle_train(params, config)
 
 
-@pytest.mark.xfail(strict=True, reason="loop.py: a task that ends with an error reply calls the scheduler's "
-                   "on_failure but commits its 'failed' status without loop_state, so a crash after that "
-                   "step resumes the scheduler without the failure (fix: pass loop_state=resume.loop_state(self) "
-                   "to that set_dispatch_status, as the timeout and refusal paths do)")
 def test_resume_after_a_failed_task_is_the_uninterrupted_run(tmp_path):
+    """A task that ends with an error reply changes the scheduler's state (on_failure): its
+    'failed' status is committed with the loop state, so a crash right after it resumes the run
+    that was never interrupted (it was committed without, and the resumed run diverged)."""
     from conftest import small_config
     from fedasync.server.loop import AsyncServer
     from fedasync.server.transport import LocalTransport

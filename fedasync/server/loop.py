@@ -19,8 +19,9 @@ Semantics (see docs in README "How the asynchronous loop works"):
   ``server.task_timeout`` is recorded (``failed`` / ``timeout``), its slot goes to another client;
   a reply after the timeout follows ``server.late_policy`` (``reject``: recorded ``late``;
   ``accept``: taken, with its staleness); one that matches no open task is a ``replay``.
-* **Crash safety** (``resume.py``): every batch of dispatches is committed with the loop state
-  and every reply with the version it produced (``Store.record_reply``). On resume the tasks in
+* **Crash safety** (``resume.py``): every batch of dispatches and every task's end (reply,
+  failure, timeout, refusal) is committed with the loop state, a reply with the version it
+  produced (``Store.record_reply``). On resume the tasks in
   flight (or cancelled by a stop) are sent again, under the virtual clock exactly as they were
   (a resumed simulation ends with the model of one never interrupted), under the wall clock
   to the first new tasks' clients. SIGINT/SIGTERM stop after the reply being handled (a second
@@ -63,11 +64,7 @@ class AsyncServer:
     """One run of the asynchronous (or synchronous-baseline) server."""
 
     def __init__(
-        self,
-        cfg: Config,
-        transport: Transport,
-        store: Store,
-        clock: str = "virtual",
+        self, cfg: Config, transport: Transport, store: Store, clock: str = "virtual",
         progress: Callable[[dict], None] | None = None,
         client_config: Callable[[int], dict] | None = None,
         mode: str = "simulation",
@@ -400,7 +397,8 @@ class AsyncServer:
         if reply.error is not None:
             self.failed += 1
             self.policy.on_failure(t.client_id, self.clock.now - t.sent_t)
-            self.store.set_dispatch_status(self.run_id, t.task_id, "failed", reply.error)
+            self.store.set_dispatch_status(self.run_id, t.task_id, "failed", reply.error,  # the scheduler's state too
+                                           loop_state=resume.loop_state(self))
             log.warning("task %d (client %d) failed: %s", t.task_id, t.client_id, reply.error)
         elif reply.refused is not None:
             self.exhausted.add(t.client_id)
