@@ -17,7 +17,9 @@ The definitions, with ``a >= 0`` and ``b >= 0`` from ``server.staleness`` in YAM
   weight while its delay ``tau = s + 1`` is within the number of tasks in flight, and at ``C / tau``
   beyond.
 
-Every function gives ``S(0) = 1`` and ``0 < S(s) <= 1``, and is non-increasing in ``s``.
+Every function gives ``S(0) = 1`` and ``0 < S(s) <= 1``, and is non-increasing in ``s``; in
+floating point ``S(s)`` can be exactly 0 for a huge ``a * s`` (``exponential`` beyond ``a * s``
+of about 745, ``polynomial`` for a huge ``a``).
 No normalisation is applied. A negative (or non-integer) ``s`` raises ``ValueError``.
 
 Pure: imports neither Flower nor the database.
