@@ -11,7 +11,14 @@ Local DP: the clients are a stand-in for :func:`fedasync.privacy.dp.private_task
 accounting from the history the server sends, the same budget check before a task, no Opacus
 training: fast); a malformed DP accounting is rejected ``privacy_accounting`` (charged the planned
 task), the run never crashes or hangs, and the server's record of a client's spend never falls
-below the truth (so no client trains past its budget).
+below the truth (so no client trains past its budget). With signing on, a reply that is not its
+client's (``bad_signature``, ``unknown_client``) is charged the planned task, whatever it claims.
+
+Bugs these found (fixed): an accountant-history entry with sigma = inf hung the server; a
+dp_steps of 10**9 stalled it (one accountant step per step), 10**30 crashed it (the store's
+INTEGER column), 2.5 was charged 2 steps; a reported history with more steps at a huge sigma
+replaced (lowered) the server's record, and the client trained past its budget; a forged reply's
+claims were charged to its client.
 """
 
 from __future__ import annotations
@@ -217,6 +224,17 @@ def _signed_for(**kv):
     return m
 
 
+def _other(config):
+    """Another client than the task's."""
+    return (int(config["client_id"]) + 1) % 4
+
+
+def _unjsonable(r, config):
+    r = dict(r, metrics=dict(r["metrics"], junk=object()))
+    r["signature"] = bytes(64)  # the client could not have signed it: sign_update raises TypeError
+    return r
+
+
 SIGNATURE_REJECTED = {
     "missing": (lambda r, c: {k: v for k, v in r.items() if k != "signature"}, "bad_signature"),
     "none": (_sig(lambda s: None), "bad_signature"),
@@ -247,25 +265,17 @@ SIGNATURE_REJECTED = {
     "epsilon_added_after": (_signed_then(_meta(epsilon=0.0)), "bad_signature"),
     "num_examples_changed_after": (_signed_then(_meta(num_examples=1000)), "bad_signature"),
     "metrics_dropped_after": (_signed_then(lambda r, c: dict(r, metrics=None)), "bad_signature"),
-    "another_clients_key": (lambda r, c: _sign(r, c, key=KEYS[(int(c["client_id"]) + 1) % 4]), "bad_signature"),
+    "another_clients_key": (lambda r, c: _sign(r, c, key=KEYS[_other(c)]), "bad_signature"),
     # signed by another client, claiming to be it: the task was sent to this one
-    "claims_another_client": (lambda r, c: _sign(dict(r, metrics=dict(r["metrics"], client_id=(c["client_id"] + 1) % 4)),
-                                                 c, key=KEYS[(int(c["client_id"]) + 1) % 4]), "unknown_client"),
-    "claims_another_client_own_key": (_resigned(lambda r, c: _meta(client_id=(c["client_id"] + 1) % 4)(r, c)),
-                                      "unknown_client"),
-    "metrics_not_json": (_resigned(_ident), None),  # placeholder replaced below
+    "claims_another_client": (lambda r, c: _sign(dict(r, metrics=dict(r["metrics"], client_id=_other(c))), c,
+                                                 key=KEYS[_other(c)]), "unknown_client"),
+    "claims_another_client_own_key": (_resigned(lambda r, c: _meta(client_id=_other(c))(r, c)), "unknown_client"),
+    "metrics_not_json": (_unjsonable, "bad_signature"),
     "num_examples_float_signed": (_resigned(_meta(num_examples=2.5)), "bad_num_examples"),
     "num_examples_bool_signed": (_resigned(_meta(num_examples=True)), "bad_num_examples"),
 }
 
 
-def _unjsonable(r, config):
-    r = dict(r, metrics=dict(r["metrics"], junk=object()))
-    r["signature"] = bytes(64)  # the client could not have signed it: sign_update raises TypeError
-    return r
-
-
-SIGNATURE_REJECTED["metrics_not_json"] = (_unjsonable, "bad_signature")
 
 
 @pytest.mark.parametrize("case", sorted(SIGNATURE_REJECTED))
@@ -486,8 +496,7 @@ def test_an_unauthenticated_reply_is_charged_the_planned_task_not_its_claims(tmp
     mutate = {"claims_no_spend": _forged(noise_multiplier=1e6, dp_steps=0, epsilon=0.0),
               "claims_a_huge_spend": _forged(dp_steps=10**9),
               "claims_another_client": lambda r, c: _sign(dict(r, metrics=dict(
-                  r["metrics"], dp_steps=10**9, client_id=(c["client_id"] + 1) % 4)), c,
-                  key=KEYS[(int(c["client_id"]) + 1) % 4])}[case]
+                  r["metrics"], dp_steps=10**9, client_id=_other(c))), c, key=KEYS[_other(c)])}[case]
     reason = "unknown_client" if case == "claims_another_client" else "bad_signature"
     logging.disable(logging.ERROR)
     try:
@@ -504,3 +513,45 @@ def test_an_unauthenticated_reply_is_charged_the_planned_task_not_its_claims(tmp
         steps = sum(x.steps for x in out["spend"].values() if x.client_id == c)
         assert history_steps(json.loads(r.accountant_state)["history"] if r.accountant_state else []) == steps
     _check_records(out)
+
+
+def test_signed_dp_replies_through_the_wire(tmp_path):
+    """The metrics digest survives the wire (JSON; a numpy float becomes a float): an honest signed
+    DP reply is taken, one whose epsilon is understated in transit is ``bad_signature`` and its
+    client is charged the planned task."""
+    from fedasync.wire import content_to_result, reply_content
+
+    def via_wire(change):
+        def m(r, config):
+            r = content_to_result(reply_content(r))
+            return change(r, config)
+        return m
+
+    ok = _run(tmp_path, DP, Client(True, via_wire(_ident)), True)
+    assert all(u.accepted for u in ok["ups"].values()) and ok["summary"]["rejections"] == {}
+    logging.disable(logging.ERROR)
+    try:
+        out = _check_rejected(tmp_path, "dp", True, via_wire(_meta(epsilon=0.0, dp_steps=0)), "bad_signature")
+    finally:
+        logging.disable(logging.NOTSET)
+    assert out["spend"][BAD].steps == 1 and out["spend"][BAD].epsilon == ok["spend"][BAD].epsilon
+    _check_records(out)
+
+
+@pytest.mark.parametrize("sign", [False, True], ids=["unsigned", "signed"])
+def test_a_reply_that_claims_no_noise_is_over_budget_and_the_run_goes_on(tmp_path, sign):
+    """noise_multiplier 0 is in range and spends epsilon = inf: over_budget, recorded as such; the
+    infinity must not crash the store, the summary or the later budget checks."""
+    mutate = _dp_meta(noise_multiplier=0.0)
+    if sign:
+        mutate = _resigned(mutate)
+    logging.disable(logging.ERROR)
+    try:
+        out = _check_rejected(tmp_path, "dp", sign, mutate, "over_budget", same_model=False)
+    finally:
+        logging.disable(logging.NOTSET)
+    c = out["ups"][BAD].client_id
+    assert out["spend"][BAD].epsilon == math.inf and out["clients"][c].epsilon == math.inf
+    # (summary.json then says Infinity, which Python reads back; central DP's summary says null instead)
+    assert out["summary"]["privacy"]["epsilon_max"] == math.inf
+    assert all(u.accepted for t, u in out["ups"].items() if t != BAD)  # the others go on being taken
