@@ -361,3 +361,282 @@ def test_fastest_stops_sending_to_a_client_whose_tasks_fail(tmp_path):
                     store, clock="virtual").run()
     to_broken = [d for d in store.dispatches(s["run_id"]) if d.client_id == 3]
     assert 1 <= len(to_broken) <= 3  # tried, then ranked last (before: about a quarter of all tasks)
+
+
+# -- bit-identity with the plain-Python policies ------------------------------------------------
+# The policies' choices were once computed by O(idle) Python passes; they are now vectorised.
+# ``_Ref*`` below are those Python implementations, copied as they were (state in dicts, the same
+# Generator calls): the vectorised policies must pick exactly the same clients, raise where they
+# raised, and keep the same (JSON) state, including across a save/load and from a state the
+# Python implementation saved.
+
+import math  # noqa: E402
+
+
+class _Ref:
+    name = ""
+
+    def __init__(self, seed=0):
+        self.rng = np.random.default_rng(seed)
+
+    def eligible(self, idle):
+        return list(idle)
+
+    def on_dispatch(self, client, now, version):
+        pass
+
+    def on_reply(self, client, duration, staleness):
+        pass
+
+    def on_failure(self, client, duration):
+        pass
+
+    def observe_budget(self, client, remaining, can_afford):
+        pass
+
+    @staticmethod
+    def _check(idle):
+        if len(idle) == 0:
+            raise ValueError("no idle client to choose from")
+
+    def _pick(self, candidates):
+        if len(candidates) == 1:
+            return int(candidates[0])
+        return int(candidates[int(self.rng.integers(len(candidates)))])
+
+    def state_dict(self):
+        return {"scheduler": self.name, "bit_generator": self.rng.bit_generator.state}
+
+
+def _pairs(d):
+    return [[int(k), v] for k, v in sorted(d.items())]
+
+
+class _RefFair(_Ref):
+    name = "fair"
+
+    def __init__(self, seed=0):
+        super().__init__(seed)
+        self.dispatches = {}
+
+    def on_dispatch(self, client, now, version):
+        self.dispatches[int(client)] = self.dispatches.get(int(client), 0) + 1
+
+    def _fewest(self, idle):
+        least = min(self.dispatches.get(int(c), 0) for c in idle)
+        return [int(c) for c in idle if self.dispatches.get(int(c), 0) == least]
+
+    def choose(self, idle):
+        self._check(idle)
+        return self._pick(self._fewest(idle))
+
+    def state_dict(self):
+        return {**super().state_dict(), "dispatches": _pairs(self.dispatches)}
+
+
+class _RefDurations(_Ref):
+    def __init__(self, seed=0):
+        super().__init__(seed)
+        self.dur_sum, self.dur_n = {}, {}
+
+    def _observe_duration(self, client, duration):
+        d = float(duration)
+        if not math.isfinite(d) or d < 0:
+            return
+        c = int(client)
+        self.dur_sum[c] = self.dur_sum.get(c, 0.0) + d
+        self.dur_n[c] = self.dur_n.get(c, 0) + 1
+
+    def on_reply(self, client, duration, staleness):
+        self._observe_duration(client, duration)
+
+    def on_failure(self, client, duration):
+        slowest = max((self.mean_duration(c) for c in self.dur_n), default=0.0)
+        self._observe_duration(client, max(float(duration), slowest))
+
+    def mean_duration(self, client):
+        n = self.dur_n.get(int(client), 0)
+        return self.dur_sum[int(client)] / n if n else None
+
+    def state_dict(self):
+        return {**super().state_dict(), "dur_sum": [[int(k), v] for k, v in self.dur_sum.items()],
+                "dur_n": [[int(k), v] for k, v in self.dur_n.items()]}
+
+
+class _RefFastest(_RefDurations):
+    name = "fastest"
+
+    def __init__(self, seed=0, explore=0.1, beta=1.0):
+        super().__init__(seed)
+        self.explore, self.beta = explore, beta
+
+    def probabilities(self, tried):
+        means = np.array([self.mean_duration(c) for c in tried], dtype=np.float64)
+        logw = self.beta * np.log(1.0 / np.maximum(means, 1e-12))
+        w = np.exp(logw - logw.max())
+        return w / w.sum()
+
+    def choose(self, idle):
+        self._check(idle)
+        untried = [int(c) for c in idle if self.dur_n.get(int(c), 0) == 0]
+        if untried:
+            return self._pick(untried)
+        if self.explore > 0 and float(self.rng.random()) < self.explore:
+            return self._pick(idle)
+        tried = [int(c) for c in idle]
+        return tried[int(self.rng.choice(len(tried), p=self.probabilities(tried)))]
+
+
+class _RefStaleness(_RefDurations):
+    name = "staleness_aware"
+
+    def __init__(self, seed=0, balance=1.0):
+        super().__init__(seed)
+        self.balance, self.dispatches, self.first, self.last = balance, {}, None, None
+
+    def on_dispatch(self, client, now, version):
+        self.dispatches[int(client)] = self.dispatches.get(int(client), 0) + 1
+        point = [float(now), float(version)]
+        if self.first is None:
+            self.first = point
+        self.last = point
+
+    @property
+    def version_rate(self):
+        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
+            return 0.0
+        return (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
+
+    def costs(self, idle):
+        least = min(self.dispatches.get(int(c), 0) for c in idle)
+        total_n = sum(self.dur_n.values())
+        everyone = sum(self.dur_sum.values()) / total_n if total_n else 0.0
+        out = []
+        for c in idle:
+            d = self.mean_duration(c)
+            out.append(self.version_rate * (everyone if d is None else d)
+                       + self.balance * (self.dispatches.get(int(c), 0) - least))
+        return out
+
+    def choose(self, idle):
+        self._check(idle)
+        cost = self.costs(idle)
+        best = min(cost)
+        return self._pick([int(c) for c, k in zip(idle, cost) if k == best])
+
+    def state_dict(self):
+        return {**super().state_dict(), "dispatches": _pairs(self.dispatches), "first": self.first, "last": self.last}
+
+
+class _RefBudget(_RefFair):
+    name = "budget_aware"
+
+    def __init__(self, seed=0):
+        super().__init__(seed)
+        self.remaining, self.affordable = {}, {}
+
+    def observe_budget(self, client, remaining, can_afford):
+        self.remaining[int(client)] = None if remaining is None else float(remaining)
+        self.affordable[int(client)] = bool(can_afford)
+
+    def eligible(self, idle):
+        return [int(c) for c in idle if self.affordable.get(int(c), True)]
+
+    def _room(self, c):
+        r = self.remaining.get(int(c))
+        return math.inf if r is None else r
+
+    def choose(self, idle):
+        self._check(idle)
+        ok = self.eligible(idle)
+        if not ok:
+            raise ValueError("budget_aware: no idle client can afford another task")
+        most = max(self._room(c) for c in ok)
+        return self._pick(self._fewest([c for c in ok if self._room(c) == most]))
+
+    def state_dict(self):
+        return {**super().state_dict(), "remaining": _pairs(self.remaining), "affordable": _pairs(self.affordable)}
+
+
+_REFS = {"fair": (_RefFair, {}), "fastest": (_RefFastest, {"explore": 0.2, "beta": 1.7}),
+         "staleness_aware": (_RefStaleness, {"balance": 0.3}), "budget_aware": (_RefBudget, {})}
+
+
+def _outcome(f):
+    try:
+        return f()
+    except Exception as e:  # noqa: BLE001 -- the same exception type, where the reference raised
+        return type(e)
+
+
+def _reload(s, state):
+    t = make_scheduler(s.name, 12345, **{"fastest": {"explore": 0.2, "beta": 1.7},
+                                         "staleness_aware": {"balance": 0.3}}.get(s.name, {}))
+    t.load_state_dict(json.loads(json.dumps(state)))
+    return t
+
+
+@pytest.mark.parametrize("name", sorted(_REFS))
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_choices_are_bit_identical_to_the_python_reference(name, seed):
+    ref_cls, kw = _REFS[name]
+    ref, new = ref_cls(seed, **kw), make_scheduler(name, seed, **kw)
+    rng = np.random.default_rng(1000 + seed)
+    n = 40 + 30 * seed  # clients join as the run goes
+    busy, exhausted, now, version, choices = set(), set(), 0.0, 0, 0
+    durations = [0.25, 0.5, 1.0, 3.0]  # repeated values: equal means, equal costs, ties
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.01:
+            n += int(rng.integers(1, 20))
+        elif op < 0.02 and n > 5:
+            exhausted.add(int(rng.integers(n)))
+        if op < 0.45:
+            idle = [c for c in range(n) if c not in busy and c not in exhausted]
+            if rng.random() < 0.5 and idle:  # a sub-list, sometimes of numpy ints, as a caller may pass
+                idle = sorted(rng.choice(idle, int(rng.integers(1, len(idle) + 1)), replace=False).tolist())
+                idle = [np.int64(c) for c in idle] if rng.random() < 0.3 else idle
+            assert new.eligible(idle) == ref.eligible(idle)
+            ok = ref.eligible(idle)
+            if rng.random() < 0.05:
+                ok = idle  # budget_aware's choose must refuse the unaffordable ones itself
+            got = _outcome(lambda: new.choose(ok))
+            assert got == _outcome(lambda: ref.choose(ok)), (step, got)
+            choices += 1
+            if isinstance(got, int):
+                assert type(got) is int
+                now += float(rng.exponential(0.7)) if rng.random() < 0.9 else 0.0
+                version += int(rng.random() < 0.3)
+                for s in (new, ref):
+                    s.on_dispatch(got, now, version)
+                busy.add(got)
+        elif op < 0.75 and busy:
+            c = sorted(busy)[int(rng.integers(len(busy)))]
+            busy.discard(c)
+            u = rng.random()
+            d = (durations[int(rng.integers(4))] if u < 0.4 else float(rng.lognormal(0, 1)) if u < 0.9
+                 else [0.0, -1.0, math.nan, math.inf, 1e-300][int(rng.integers(5))])
+            fail = rng.random() < 0.15
+            for s in (new, ref):
+                s.on_failure(c, d) if fail else s.on_reply(c, d, 1)
+        elif op < 0.9:
+            c = int(rng.integers(n + 3))
+            u = rng.random()
+            remaining = None if u < 0.15 else [0.0, 1.0, 2.5][int(rng.integers(3))] if u < 0.5 else \
+                math.nan if u < 0.52 else float(rng.uniform(0, 5))
+            afford = bool(rng.random() < 0.85)
+            for s in (new, ref):
+                s.observe_budget(c, remaining, afford)
+        if name == "staleness_aware" and step % 97 == 0:
+            idle = [c for c in range(n) if c not in busy]
+            assert _outcome(lambda: new.costs(idle)) == _outcome(lambda: ref.costs(idle))
+        if name == "fastest" and step % 97 == 0:
+            tried = [c for c in range(n) if c in ref.dur_n]
+            if tried:
+                assert new.probabilities(tried).tobytes() == ref.probabilities(tried).tobytes()
+        if step % 500 == 250:  # save and load, from the new state and from the reference's
+            state = json.loads(json.dumps(new.state_dict()))
+            assert state == json.loads(json.dumps(ref.state_dict()))
+            new = _reload(new, ref.state_dict() if step % 1000 == 250 else state)
+    assert json.loads(json.dumps(new.state_dict())) == json.loads(json.dumps(ref.state_dict()))
+    assert choices > 1000
