@@ -555,3 +555,21 @@ def test_a_reply_that_claims_no_noise_is_over_budget_and_the_run_goes_on(tmp_pat
     # (summary.json then says Infinity, which Python reads back; central DP's summary says null instead)
     assert out["summary"]["privacy"]["epsilon_max"] == math.inf
     assert all(u.accepted for t, u in out["ups"].items() if t != BAD)  # the others go on being taken
+
+
+@pytest.mark.parametrize("sign", [False, True], ids=["unsigned", "signed"])
+def test_a_history_of_thousands_of_distinct_entries_does_not_stall_the_server(tmp_path, sign):
+    """The true history plus 3000 one-step entries at distinct sigmas: it holds every step of the
+    server's record, and the epsilon of each distinct (sigma, q) costs ~15 ms (the run stalled for
+    most of a minute; a few hundred thousand would stall it for hours). More new entries than a
+    reply can honestly add is a malformed accounting."""
+    def pad(r, config):
+        q = config["privacy"]["sample_rate"]
+        extra = [[SIGMA + (i + 1) * 1e-6, q, 1] for i in range(3000)]
+        return dict(r, metrics=dict(r["metrics"], accountant_history=r["metrics"]["accountant_history"] + extra))
+    mutate = _resigned(pad) if sign else pad
+    logging.disable(logging.ERROR)
+    try:
+        _check_rejected(tmp_path, "dp", sign, mutate, "privacy_accounting")
+    finally:
+        logging.disable(logging.NOTSET)

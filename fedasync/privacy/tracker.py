@@ -55,6 +55,9 @@ log = logging.getLogger("fedasync.privacy")
 
 #: the most DP-SGD steps one reply may report (``privacy_spend.steps``, an INTEGER column)
 MAX_STEPS = 2**31 - 1
+#: the most entries a reply's accountant history may hold beyond the server's record (a task adds at
+#: most one; each distinct (sigma, q) costs ~15 ms of RDP: thousands stalled the server)
+MAX_NEW_ENTRIES = 64
 
 CENTRAL_ASSUMPTION = ("each fedbuff aggregation is one release of the Gaussian mechanism on the clipped deltas "
                       "of K distinct clients (one term per client), accounted as if its K clients were "
@@ -230,8 +233,9 @@ class PrivacyTracker:
         when that holds all of the composition's steps (:func:`_covers`; a device with a state file
         knows of tasks the server lost). A device that started from an older record (a task that overlapped another
         one of the same client, a record lost in a crash) reports a history that misses steps: the
-        composition keeps them. A reply whose accounting is missing or malformed is charged the
-        task the server planned and rejected (``privacy_accounting``); one whose epsilon is over
+        composition keeps them. A reply whose accounting is missing or malformed (a dp_steps that
+        is not a whole number up to MAX_STEPS, a history of more than MAX_NEW_ENTRIES entries beyond
+        the record) is charged the task the server planned and rejected (``privacy_accounting``); one whose epsilon is over
         the client's budget is rejected (``over_budget``): its spend is recorded all the same."""
         key = (client_id, id(metrics))
         if self._memo[0] == key:
@@ -243,6 +247,8 @@ class PrivacyTracker:
             m = metrics if isinstance(metrics, dict) else {}
             sigma, q, steps = float(m["noise_multiplier"]), float(m["sample_rate"]), int(m["dp_steps"])
             reported, eps = as_history(m["accountant_history"]), float(m["epsilon"])
+            if len(reported) > len(prior) + MAX_NEW_ENTRIES:
+                raise ValueError(f"accountant history: {len(reported)} entries, the record {len(prior)}")
             # dp_steps: a whole number the store's integer column holds (2.5 was charged 2; 10**30 crashed the run)
             whole = not isinstance(m["dp_steps"], bool) and steps == m["dp_steps"] and steps <= MAX_STEPS
             if not (whole and math.isfinite(sigma) and sigma >= 0 and 0 < q <= 1 and steps >= 0 and eps >= 0):
