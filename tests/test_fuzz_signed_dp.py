@@ -573,3 +573,29 @@ def test_a_history_of_thousands_of_distinct_entries_does_not_stall_the_server(tm
         _check_rejected(tmp_path, "dp", sign, mutate, "privacy_accounting")
     finally:
         logging.disable(logging.NOTSET)
+
+
+def _append_entry(sigma):
+    def m(r, config):
+        q = config["privacy"]["sample_rate"]
+        hist = r["metrics"]["accountant_history"] + [[sigma, q, 1]]
+        return dict(r, metrics=dict(r["metrics"], accountant_history=hist))
+    return m
+
+
+@pytest.mark.parametrize("case,mutate", [
+    ("sigma_1e-300", _dp_meta(noise_multiplier=1e-300)),
+    ("sigma_1e300", _dp_meta(noise_multiplier=1e300)),
+    ("history_sigma_1e-300", _append_entry(1e-300)),
+    ("history_sigma_1e300", _append_entry(1e300)),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_a_sigma_whose_epsilon_cannot_be_computed_is_an_unbounded_spend(tmp_path, case, mutate):
+    """Opacus' RDP divides by zero at sigma = 1e-300 and overflows at 1e300: the error escaped the
+    tracker and ended the run. An epsilon that cannot be computed is no bound: inf, over_budget."""
+    logging.disable(logging.ERROR)
+    try:
+        out = _check_rejected(tmp_path, "dp", False, mutate, "over_budget", same_model=False)
+    finally:
+        logging.disable(logging.NOTSET)
+    c = out["ups"][BAD].client_id
+    assert out["spend"][BAD].epsilon == math.inf and out["clients"][c].epsilon == math.inf

@@ -96,7 +96,8 @@ def history_steps(history: Iterable[Sequence] | None) -> int:
 def epsilon_of(history: Iterable[Sequence] | None, delta: float, accountant: str) -> float:
     """``get_epsilon(delta)`` of a fresh Opacus accountant loaded with ``history`` (0 if empty).
 
-    A zero noise multiplier gives ``inf``. Under ``rdp`` the same float comes from
+    A zero noise multiplier gives ``inf``, and so does a history whose epsilon Opacus cannot compute
+    (it divides by zero or overflows at a sigma like 1e-300 or 1e300). Under ``rdp`` the same float comes from
     :func:`_rdp_epsilon`, which caches each ``(sigma, q)``'s one-step RDP.
     """
     hist = as_history(history)
@@ -106,9 +107,12 @@ def epsilon_of(history: Iterable[Sequence] | None, delta: float, accountant: str
         return math.inf
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Optimal order is the (largest|smallest) alpha.*")
-        if accountant == "rdp":
-            return _rdp_epsilon(hist, float(delta))
-        return float(new_accountant(accountant, hist).get_epsilon(delta))
+        try:
+            if accountant == "rdp":
+                return _rdp_epsilon(hist, float(delta))
+            return float(new_accountant(accountant, hist).get_epsilon(delta))
+        except (OverflowError, ZeroDivisionError):  # Opacus at sigma = 1e300 / 1e-300: no bound, so none
+            return math.inf
 
 
 @functools.lru_cache(maxsize=65536)

@@ -235,8 +235,9 @@ class PrivacyTracker:
         one of the same client, a record lost in a crash) reports a history that misses steps: the
         composition keeps them. A reply whose accounting is missing or malformed (a dp_steps that
         is not a whole number up to MAX_STEPS, a history of more than MAX_NEW_ENTRIES entries beyond
-        the record) is charged the task the server planned and rejected (``privacy_accounting``); one whose epsilon is over
-        the client's budget is rejected (``over_budget``): its spend is recorded all the same."""
+        the record) is charged the task the server planned and rejected (``privacy_accounting``);
+        one whose epsilon is over the client's budget is rejected (``over_budget``): its spend is
+        recorded all the same."""
         key = (client_id, id(metrics))
         if self._memo[0] == key:
             return self._memo[1]
