@@ -18,7 +18,8 @@ Bugs these found (fixed): an accountant-history entry with sigma = inf hung the 
 dp_steps of 10**9 stalled it (one accountant step per step), 10**30 crashed it (the store's
 INTEGER column), 2.5 was charged 2 steps; a reported history with more steps at a huge sigma
 replaced (lowered) the server's record, and the client trained past its budget; a forged reply's
-claims were charged to its client.
+claims were charged to its client; a history padded with thousands of distinct sigmas stalled the
+server; a sigma of 1e-300 or 1e300 ended the run (Opacus divides by zero / overflows).
 """
 
 from __future__ import annotations
