@@ -640,3 +640,32 @@ def test_choices_are_bit_identical_to_the_python_reference(name, seed):
             new = _reload(new, ref.state_dict() if step % 1000 == 250 else state)
     assert json.loads(json.dumps(new.state_dict())) == json.loads(json.dumps(ref.state_dict()))
     assert choices > 1000
+
+
+@pytest.mark.parametrize("name", sorted(_REFS))
+def test_nan_costs_and_odd_client_ids_match_the_python_reference(name):
+    """Python's min/max with a NaN (the first element decides) and ids that are no array index
+    (negative, huge): the same choices, raises and state as the plain-Python version."""
+    ref_cls, kw = _REFS[name]
+    ref, new = ref_cls(7, **kw), make_scheduler(name, 7, **kw)
+    for s in (ref, new):
+        s.on_dispatch(0, 0.0, 0)
+        s.on_dispatch(1, 5e-324, 10)  # a version rate of inf: inf * 0 = NaN costs
+        s.on_reply(0, 0.0, 0)
+        s.on_reply(1, 2.0, 0)
+        s.observe_budget(0, math.nan, True)
+        s.observe_budget(2, 1.0, True)
+    for idle in ([0, 1, 2], [1, 2, 0], [2, 0], [1, 2]):
+        for _ in range(5):
+            assert _outcome(lambda: new.choose(idle)) == _outcome(lambda: ref.choose(idle))
+    for s in (ref, new):
+        s.on_dispatch(-5, 1.0, 11)
+        s.on_reply(-5, 0.5, 0)
+        s.observe_budget(2**40, 3.0, True)
+        s.on_failure(2**40, 0.1)
+    for idle in ([-5, 1, 2], [1, 2, 2**40], [3, 4, 2**70], [-5, 3]):
+        assert new.eligible(idle) == ref.eligible(idle)
+        for _ in range(5):
+            assert _outcome(lambda: new.choose(idle)) == _outcome(lambda: ref.choose(idle))
+    assert json.loads(json.dumps(_reload(new, new.state_dict()).state_dict())) == \
+        json.loads(json.dumps(ref.state_dict()))

@@ -47,6 +47,12 @@ Policies
   afford its next task is never chosen. Without budget information (no DP, or clients without an
   epsilon budget) it is ``fair``.
 
+Cost: what a policy observed per client lives in dicts (the state) and in numpy arrays indexed by
+client id (O(1) per event), so a choice among 10,000 idle clients is a few numpy passes. Each float
+is the same IEEE operations in the same order as the plain-Python policies (sums over clients stay
+Python ``sum``), min/max keep Python's NaN rules, ties idle order, the draws the same calls: the
+choices are bit-identical (tests/test_scheduler.py). Negative or huge ids use the dicts.
+
 Pure: imports neither Flower nor the database.
 """
 
@@ -68,12 +74,71 @@ def _unpairs(rows: Sequence[Sequence], cast=float) -> dict[int, Any]:
     return {int(k): cast(v) for k, v in rows}
 
 
+#: per-client array -> (dtype, value for a client never observed)
+_COLUMNS: dict[str, tuple[type, Any]] = {"disp": (np.int64, 0), "sum": (np.float64, 0.0), "n": (np.int64, 0),
+                                        "room": (np.float64, math.inf), "ok": (np.bool_, True)}
+_MAX_ID = 1 << 20  # larger (or negative) ids: dict look-ups, not arrays
+
+
+def _py(f: Any, a: np.ndarray) -> Any:
+    """``f(list(a))`` for ``f`` min or max, as Python computes it (with a NaN, the first decides)."""
+    return f(a.tolist()) if np.isnan(a).any() else (a.min() if f is min else a.max())
+
+
 class Scheduler(ABC):
     name: str = ""
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
         self.rng = np.random.default_rng(seed)
+        self._cols: dict[str, np.ndarray] = {}
+        self._odd = False  # some observed client id is not an array index
+
+    # -- per-client arrays (a copy of the dicts, for vectorised choices) -----------------------
+    def _col(self, col: str, size: int) -> np.ndarray:
+        """Column ``col``, every column at least ``size`` long (all grow together)."""
+        have = max((len(b) for b in self._cols.values()), default=0)
+        if col not in self._cols or size > have:
+            n = have if size <= have else max(size, 2 * have, 64)
+            for name in {col, *self._cols}:
+                dtype, fill = _COLUMNS[name]
+                old = self._cols.get(name, np.zeros(0, dtype))
+                self._cols[name] = np.concatenate([old, np.full(n - len(old), fill, dtype)])
+        return self._cols[col]
+
+    def _set(self, col: str, client: int, value: Any) -> None:
+        c = int(client)
+        if 0 <= c < _MAX_ID:
+            self._col(col, c + 1)[c] = value
+        else:
+            self._odd = True
+
+    def _lookup(self, col: str, c: int) -> Any:
+        """The dict value behind column ``col`` (for ids that are not array indices)."""
+        attr = {"disp": "dispatches", "sum": "dur_sum", "n": "dur_n", "ok": "affordable", "room": "remaining"}[col]
+        v = getattr(self, attr).get(c, _COLUMNS[col][1])
+        return math.inf if v is None else v  # room: None is unlimited
+
+    def _ids(self, idle: Sequence[int]) -> np.ndarray:
+        """``idle`` as an int64 array of array indices, or an object array of ints (dict look-ups)."""
+        if not self._odd and len(idle):
+            try:
+                idx = np.asarray(idle, dtype=np.int64)
+                if idx.ndim == 1 and 0 <= idx.min() and idx.max() < _MAX_ID:
+                    return idx
+            except (OverflowError, TypeError, ValueError):
+                pass
+        return np.array([int(c) for c in idle] + [None], dtype=object)[:-1]  # 1-d, whatever the ints
+
+    def _get(self, col: str, ids: np.ndarray) -> np.ndarray:
+        """Column ``col`` of the clients ``ids`` (from :meth:`_ids`)."""
+        if ids.dtype == object:
+            return np.array([self._lookup(col, c) for c in ids], dtype=_COLUMNS[col][0])
+        return self._col(col, int(ids.max()) + 1)[ids] if len(ids) else np.zeros(0, _COLUMNS[col][0])
+
+    def _rebuild(self, col: str, d: dict[int, Any]) -> None:
+        for k, v in d.items():
+            self._set(col, k, v)
 
     @abstractmethod
     def choose(self, idle: Sequence[int]) -> int:
@@ -115,6 +180,7 @@ class Scheduler(ABC):
         if d.get("scheduler") != self.name:
             raise ValueError(f"state is for scheduler {d.get('scheduler')!r}, not {self.name!r}")
         self.rng.bit_generator.state = d["bit_generator"]
+        self._cols, self._odd = {}, False  # the subclasses rebuild theirs from the loaded dicts
 
 
 class UniformScheduler(Scheduler):
@@ -137,15 +203,17 @@ class FairScheduler(Scheduler):
         self.dispatches: dict[int, int] = {}
 
     def on_dispatch(self, client: int, now: float, version: int) -> None:
-        self.dispatches[int(client)] = self.dispatches.get(int(client), 0) + 1
+        self.dispatches[int(client)] = k = self.dispatches.get(int(client), 0) + 1
+        self._set("disp", client, k)
 
-    def _fewest(self, idle: Sequence[int]) -> list[int]:
-        least = min(self.dispatches.get(int(c), 0) for c in idle)
-        return [int(c) for c in idle if self.dispatches.get(int(c), 0) == least]
+    def _fewest(self, ids: np.ndarray) -> np.ndarray:
+        """Those of ``ids`` (from :meth:`_ids`) with the fewest dispatches, in their order."""
+        k = self._get("disp", ids)
+        return ids[k == k.min()]
 
     def choose(self, idle: Sequence[int]) -> int:
         self._check(idle)
-        return self._pick(self._fewest(idle))
+        return self._pick(self._fewest(self._ids(idle)))
 
     def state_dict(self) -> dict[str, Any]:
         d = super().state_dict()
@@ -155,6 +223,7 @@ class FairScheduler(Scheduler):
     def load_state_dict(self, d: dict[str, Any]) -> None:
         super().load_state_dict(d)
         self.dispatches = _unpairs(d["dispatches"], int)
+        self._rebuild("disp", self.dispatches)
 
 
 class _DurationsMixin:
@@ -169,12 +238,25 @@ class _DurationsMixin:
         if not math.isfinite(d) or d < 0:
             return
         c = int(client)
-        self.dur_sum[c] = self.dur_sum.get(c, 0.0) + d
-        self.dur_n[c] = self.dur_n.get(c, 0) + 1
+        self.dur_sum[c] = total = self.dur_sum.get(c, 0.0) + d
+        self.dur_n[c] = n = self.dur_n.get(c, 0) + 1
+        self._set("sum", c, total)
+        self._set("n", c, n)
 
     def on_failure(self, client: int, duration: float) -> None:
-        slowest = max((self.mean_duration(c) for c in self.dur_n), default=0.0)
+        if self._odd:
+            slowest = max((self.mean_duration(c) for c in self.dur_n), default=0.0)
+        else:  # the same quotients; max of floats that are never NaN (finite sums >= 0, or inf)
+            n = self._col("n", 0)
+            tried = n > 0
+            slowest = float((self._col("sum", 0)[tried] / n[tried]).max()) if tried.any() else 0.0
         self._observe_duration(client, max(float(duration), slowest))
+
+    def _means(self, ids: np.ndarray, untried: float = math.nan) -> np.ndarray:
+        """``dur_sum[c] / dur_n[c]`` for ``ids`` (as Python divides), ``untried`` where none."""
+        n = self._get("n", ids)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(n > 0, self._get("sum", ids) / np.maximum(n, 1), untried)
 
     def mean_duration(self, client: int) -> float | None:
         n = self.dur_n.get(int(client), 0)
@@ -189,6 +271,8 @@ class _DurationsMixin:
     def _load_durations(self, d: dict[str, Any]) -> None:
         self.dur_sum = _unpairs(d["dur_sum"], float)
         self.dur_n = _unpairs(d["dur_n"], int)
+        self._rebuild("sum", self.dur_sum)
+        self._rebuild("n", self.dur_n)
 
 
 class FastestScheduler(_DurationsMixin, Scheduler):
@@ -215,7 +299,7 @@ class FastestScheduler(_DurationsMixin, Scheduler):
 
     def probabilities(self, tried: Sequence[int]) -> np.ndarray:
         """``p_i ∝ speed_i ** beta`` over ``tried`` (clients with at least one observed duration)."""
-        means = np.array([self.mean_duration(c) for c in tried], dtype=np.float64)
+        means = self._means(self._ids(tried))
         speed = 1.0 / np.maximum(means, 1e-12)
         # in log space: speeds may span decades and beta may be large
         logw = self.beta * np.log(speed)
@@ -224,14 +308,14 @@ class FastestScheduler(_DurationsMixin, Scheduler):
 
     def choose(self, idle: Sequence[int]) -> int:
         self._check(idle)
-        untried = [int(c) for c in idle if self.dur_n.get(int(c), 0) == 0]
-        if untried:
-            return self._pick(untried)
+        ids = self._ids(idle)
+        n = self._get("n", ids)
+        if not n.all():  # the untried, in idle order
+            return self._pick(ids[n == 0])
         if self.explore > 0 and float(self.rng.random()) < self.explore:
             return self._pick(idle)
-        tried = [int(c) for c in idle]
-        p = self.probabilities(tried)
-        return tried[int(self.rng.choice(len(tried), p=p))]
+        p = self.probabilities(ids)
+        return int(ids[int(self.rng.choice(len(ids), p=p))])
 
     def state_dict(self) -> dict[str, Any]:
         d = super().state_dict()
@@ -293,7 +377,8 @@ class StalenessAwareScheduler(_DurationsMixin, Scheduler):
         self.last: list[float] | None = None
 
     def on_dispatch(self, client: int, now: float, version: int) -> None:
-        self.dispatches[int(client)] = self.dispatches.get(int(client), 0) + 1
+        self.dispatches[int(client)] = k = self.dispatches.get(int(client), 0) + 1
+        self._set("disp", client, k)
         point = [float(now), float(version)]
         if self.first is None:
             self.first = point
@@ -318,17 +403,21 @@ class StalenessAwareScheduler(_DurationsMixin, Scheduler):
             d = self._mean_over_all() if mean_over_all is None else mean_over_all
         return self.version_rate * d
 
-    def costs(self, idle: Sequence[int]) -> list[float]:
-        least = min(self.dispatches.get(int(c), 0) for c in idle)
+    def _costs(self, ids: np.ndarray) -> np.ndarray:
+        """Per client, as ``expected_staleness(c) + balance * (n_c - least)`` computes it."""
+        k = self._get("disp", ids)
         everyone = self._mean_over_all()  # once per choice, not once per untried client
-        return [self.expected_staleness(c, everyone) + self.balance * (self.dispatches.get(int(c), 0) - least)
-                for c in idle]
+        with np.errstate(all="ignore"):  # inf * 0 = NaN, silently, as with Python floats
+            return self.version_rate * self._means(ids, everyone) + self.balance * (k - k.min())
+
+    def costs(self, idle: Sequence[int]) -> list[float]:
+        return self._costs(self._ids(idle)).tolist() if len(idle) else []
 
     def choose(self, idle: Sequence[int]) -> int:
         self._check(idle)
-        cost = self.costs(idle)
-        best = min(cost)
-        return self._pick([int(c) for c, k in zip(idle, cost) if k == best])
+        ids = self._ids(idle)
+        cost = self._costs(ids)
+        return self._pick(ids[cost == _py(min, cost)])
 
     def state_dict(self) -> dict[str, Any]:
         d = super().state_dict()
@@ -340,6 +429,7 @@ class StalenessAwareScheduler(_DurationsMixin, Scheduler):
         super().load_state_dict(d)
         self._load_durations(d)
         self.dispatches = _unpairs(d["dispatches"], int)
+        self._rebuild("disp", self.dispatches)
         self.first = None if d["first"] is None else [float(x) for x in d["first"]]
         self.last = None if d["last"] is None else [float(x) for x in d["last"]]
 
@@ -366,9 +456,14 @@ class BudgetAwareScheduler(FairScheduler):
         c = int(client)
         self.remaining[c] = None if remaining is None else float(remaining)
         self.affordable[c] = bool(can_afford)
+        self._set("room", c, self._room(c))
+        self._set("ok", c, self.affordable[c])
+
+    def _eligible(self, ids: np.ndarray) -> np.ndarray:
+        return ids[self._get("ok", ids)]
 
     def eligible(self, idle: Sequence[int]) -> list[int]:
-        return [int(c) for c in idle if self.affordable.get(int(c), True)]
+        return self._eligible(self._ids(idle)).tolist()
 
     def _room(self, c: int) -> float:
         r = self.remaining.get(int(c))
@@ -376,12 +471,12 @@ class BudgetAwareScheduler(FairScheduler):
 
     def choose(self, idle: Sequence[int]) -> int:
         self._check(idle)
-        ok = self.eligible(idle)
-        if not ok:
+        ok = self._eligible(self._ids(idle))
+        if not len(ok):
             raise ValueError("budget_aware: no idle client can afford another task")
-        most = max(self._room(c) for c in ok)
-        richest = [c for c in ok if self._room(c) == most]
-        return self._pick(self._fewest(richest))
+        room = self._get("room", ok)
+        # a NaN max (the first one's budget) leaves none: _fewest raises ValueError, as it did
+        return self._pick(self._fewest(ok[room == _py(max, room)]))
 
     def state_dict(self) -> dict[str, Any]:
         d = super().state_dict()
@@ -393,6 +488,8 @@ class BudgetAwareScheduler(FairScheduler):
         super().load_state_dict(d)
         self.remaining = _unpairs(d["remaining"], lambda v: None if v is None else float(v))
         self.affordable = _unpairs(d["affordable"], bool)
+        self._rebuild("room", {c: self._room(c) for c in self.remaining})
+        self._rebuild("ok", self.affordable)
 
 
 #: name (``server.scheduler.name``) -> class taking ``seed`` and its own keyword parameters
