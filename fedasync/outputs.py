@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import time
 from pathlib import Path
+from typing import Any
 
 from fedasync.config import Config
 
@@ -118,6 +120,19 @@ def plot_participation(part: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def strict_json(obj: Any) -> Any:
+    """``obj`` with every non-finite float (an ε of ∞: a client that trained without noise) as
+    None, so that ``json.dumps`` writes strict JSON (Python's ``Infinity`` is no JSON value: jq,
+    JavaScript and PostgreSQL refuse it)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    return obj
+
+
 def write_run_outputs(out: Path, cfg: Config, summary: dict) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {
@@ -126,7 +141,7 @@ def write_run_outputs(out: Path, cfg: Config, summary: dict) -> dict[str, Path]:
         "plot": out / "accuracy.png",
         "config": out / "config.yaml",
     }
-    paths["summary"].write_text(json.dumps(summary, indent=2) + "\n")
+    paths["summary"].write_text(json.dumps(strict_json(summary), indent=2, allow_nan=False) + "\n")
     with paths["history"].open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["version", "virtual_time_s", "accuracy", "loss"])
         w.writeheader()
@@ -156,7 +171,7 @@ def comparison(summaries: dict[str, dict]) -> dict:
 def write_comparison(out: Path, summaries: dict[str, dict], target: float | None) -> dict[str, Path]:
     data = comparison(summaries)
     paths = {"comparison": out / "comparison.json", "plot": out / "comparison.png"}
-    paths["comparison"].write_text(json.dumps(data, indent=2) + "\n")
+    paths["comparison"].write_text(json.dumps(strict_json(data), indent=2, allow_nan=False) + "\n")
     _plot({n: s["history"] for n, s in summaries.items()}, paths["plot"], target,
           "accuracy vs virtual time, same scenario")
     return paths

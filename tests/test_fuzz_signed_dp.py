@@ -553,8 +553,17 @@ def test_a_reply_that_claims_no_noise_is_over_budget_and_the_run_goes_on(tmp_pat
         logging.disable(logging.NOTSET)
     c = out["ups"][BAD].client_id
     assert out["spend"][BAD].epsilon == math.inf and out["clients"][c].epsilon == math.inf
-    # (summary.json then says Infinity, which Python reads back; central DP's summary says null instead)
     assert out["summary"]["privacy"]["epsilon_max"] == math.inf
+    # summary.json is strict JSON (it said Infinity, which jq, JavaScript and PostgreSQL refuse): null
+    from fedasync.outputs import write_run_outputs
+
+    paths = write_run_outputs(tmp_path / "outputs", DP, out["summary"])
+
+    def no_constant(name):
+        raise AssertionError(f"summary.json holds {name}")
+
+    written = json.loads(paths["summary"].read_text(), parse_constant=no_constant)
+    assert written["privacy"]["epsilon_max"] is None and written["privacy"]["epsilon_mean"] is None
     assert all(u.accepted for t, u in out["ups"].items() if t != BAD)  # the others go on being taken
 
 

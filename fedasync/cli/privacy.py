@@ -213,7 +213,9 @@ def report(
     finally:
         st.close()
     if as_json:
-        print(json.dumps(rows))
+        from fedasync.outputs import strict_json
+
+        print(json.dumps(strict_json(rows), allow_nan=False))
         return
     t = Table(title=f"privacy spent in run {run} ({store})")
     for col in ["client", "ε spent", "ε budget", "δ", "accountant", "tasks done", "exhausted"]:
