@@ -14,9 +14,9 @@ The calls the server loop makes
   once per fill, before the ``choose`` calls; an empty list means "dispatch nothing".
 - ``choose(idle) -> int``: one client id from ``idle`` (non-empty, sorted by the caller). The
   loop removes the chosen id from ``idle`` before the next call.
-- ``on_dispatch(client, now, version)``: right after a task for ``client`` is dispatched (also
-  for tasks the loop dispatches without asking, e.g. re-sent after a restart), with the clock's
-  time and the global version the task carries.
+- ``on_dispatch(client, now, version)``: right after a task for ``client`` is dispatched (not
+  for a task a resumed simulation sends again: that is no new dispatch), with the clock's time
+  and the global version the task carries.
 - ``on_reply(client, duration, staleness)``: when a task of ``client`` ends with a reply
   (accepted or rejected): ``duration`` is the time the server observed between dispatch and reply
   (virtual seconds in simulation, wall seconds in deployment; never the clock's hidden speed
@@ -351,7 +351,8 @@ class StalenessAwareScheduler(_DurationsMixin, Scheduler):
     ties broken by the seeded stream. ``balance`` (``server.scheduler.balance``, default 1) is the
     expected staleness, in versions, that one extra dispatch above the least-used idle client is
     worth: ``balance = 0`` always sends the task whose reply is expected freshest; a large
-    ``balance`` approaches ``fair``. Before any reply (``r * d_i = 0`` for all) it is ``fair``.
+    ``balance`` approaches ``fair``. Before any reply (``r * d_i = 0`` for all) it is ``fair``
+    (at ``balance = 0``, uniform: every cost is 0 and the seeded stream breaks the tie).
 
     What a scheduler can and cannot change: with ``C`` tasks always in flight and a version every
     ``K`` replies, each reply is overtaken on average by ``C - 1`` others while in flight, so the
