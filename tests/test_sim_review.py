@@ -57,9 +57,16 @@ def _communicate(p, timeout: float, what: str) -> tuple[str, str | None]:
         pytest.fail(f"the command hung {what}:\n" + (err or out)[-3000:])
 
 
-def _left_in_group(pgid: int) -> list[str]:
-    ps = subprocess.run(["ps", "-eo", "pgid=,pid=,args="], capture_output=True, text=True).stdout
-    return [line for line in ps.splitlines() if line.split()[0] == str(pgid)]
+def _left_in_group(pgid: int, wait_s: float = 10.0) -> list[str]:
+    """The processes still running in group ``pgid`` after up to ``wait_s`` s (exited ones that
+    their parent has not reaped yet, ``<defunct>``, hold nothing and are not counted)."""
+    t0 = time.time()
+    while True:
+        ps = subprocess.run(["ps", "-eo", "pgid=,pid=,stat=,args="], capture_output=True, text=True).stdout
+        left = [line for line in ps.splitlines() if line.split()[0] == str(pgid) and not line.split()[2].startswith("Z")]
+        if not left or time.time() - t0 > wait_s:
+            return left
+        time.sleep(0.5)
 
 
 def test_ctrl_c_stops_a_compare_run_and_starts_no_other(tmp_path):
@@ -83,7 +90,6 @@ def test_ctrl_c_stops_a_flower_engine_run(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["stop_reason"] == "interrupted" and summary["versions"] >= 3
     assert f"--resume {summary['run_id']}" in out
-    time.sleep(2)
     left = _left_in_group(p.pid)  # Ray's processes are in the command's process group
     for line in left:
         os.kill(int(line.split()[1]), signal.SIGKILL)
@@ -94,7 +100,7 @@ def test_ctrl_c_stops_a_flower_engine_run(tmp_path):
 def test_a_ray_that_cannot_start_fails_in_one_line(tmp_path):
     """RAY_ADDRESS=auto and no cluster runs: the command exits 1 with one line naming the cause (it
     printed Flower's traceback and hung: the ServerApp thread waited for replies forever). (An
-    address where nothing listens is no quick failure: Ray retries it for minutes.)"""
+    address where nothing listens is refused before Ray is asked: see the test below.)"""
     out_dir = tmp_path / "new"  # made by the command, removed again: the engine failed before a run wrote to it
     args = [sys.executable, "-m", "fedasync", "simulate", "--out", str(out_dir)]
     for s in SMALL:
@@ -106,7 +112,9 @@ def test_a_ray_that_cannot_start_fails_in_one_line(tmp_path):
     assert p.returncode == 1, out + err
     assert err.strip().splitlines()[-1].startswith("error: Flower's simulation engine failed: ConnectionError: "), err
     assert "Traceback" not in err.split("Flower's simulation engine failed")[-1]
-    assert not out_dir.exists()
+    if out_dir.exists():  # the ServerApp had started its run before Ray failed (a loaded machine): its outputs
+        assert json.loads((out_dir / "summary.json").read_text())["stop_reason"] == "interrupted"
+    # else: no run had started, and the directory the command made is gone (an empty one was left)
 
 
 def _closed_port() -> int:
