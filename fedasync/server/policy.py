@@ -93,6 +93,7 @@ class Policies:
             check_no_attack(cfg)  # ConfigError: a deployed server never simulates attackers
         self.cfg = cfg
         self.scheduler = scheduler_from_config(cfg.server.scheduler, cfg.seed)
+        self.touched: set[int] = set()  # clients whose scheduler state changed (resume.loop_state clears it)
         self.compensate = make_delay_compensation(cfg.server.delay_compensation)
         self.filter = robust.make_filter(cfg.server.robust)
         self.attack = cfg.attack
@@ -132,6 +133,7 @@ class Policies:
 
     def on_dispatch(self, client: int, now: float, version: int) -> None:
         self.scheduler.on_dispatch(client, now, version)
+        self.touched.add(int(client))
 
     def observe_budgets(self, privacy: Any, clients: Any) -> None:
         """``budget_aware`` only: each client's remaining epsilon and whether its next task fits."""
@@ -142,14 +144,17 @@ class Policies:
         for c in clients:
             remaining, ok = budget_view(privacy.plans[c], privacy.history[c])
             self.scheduler.observe_budget(c, remaining, ok)
+            self.touched.add(int(c))
 
     def on_reply(self, client: int, duration: float, staleness: int, privacy: Any = None) -> None:
         self.scheduler.on_reply(client, duration, staleness)
+        self.touched.add(int(client))
         self.observe_budgets(privacy, [client])
 
     def on_failure(self, client: int, duration: float) -> None:
         """A task of ``client`` ended without a reply (an error, a timeout) after ``duration``."""
         self.scheduler.on_failure(client, duration)
+        self.touched.add(int(client))
 
     # -- what an attacker is sent (simulation only) ----------------------------------------------
     def task_params(self, client: int, version: int, params: Params, task_id: int | None = None) -> Params:

@@ -6,7 +6,7 @@
 - :func:`encode_params` / :func:`decode_params`: an uncompressed ``.npz`` (the ledger's and
   gossip's payloads, and blobs written before the packed format).
 - :func:`dumps_state` / :func:`loads_state`: JSON for nested dicts and lists with numpy arrays
-  (``runs.loop_state``; no pickle).
+  (``runs.loop_state``, ``runs.scheduler_state``: :class:`LoopState`; no pickle).
 
 Pure: numpy and the standard library only.
 """
@@ -90,6 +90,14 @@ def _dec(obj: Any) -> Any:
     if isinstance(obj, list):
         return [_dec(v) for v in obj]
     return obj
+
+
+class LoopState(str):
+    """``runs.loop_state``'s text; ``scheduler_state``, when set, is a snapshot of the scheduler's
+    per-client state that the store writes to ``runs.scheduler_state`` in the same transaction
+    (the loop state refers to it)."""
+
+    scheduler_state: str | None = None
 
 
 def dumps_state(obj: Any) -> str:

@@ -41,6 +41,8 @@ class Run(Base):
     virtual_time: Mapped[float] = mapped_column(Float, default=0.0)
     # the loop's resumable state: strategy buffer, scheduler RNG (JSON, arrays base64)
     loop_state: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # the scheduler's per-client state, written whole now and then; loop_state holds what changed since
+    scheduler_state: Mapped[str | None] = mapped_column(Text, nullable=True)
     summary_json: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 

@@ -38,6 +38,7 @@ _RUN_VERSION = _RUN_STEP.values(current_version=_B("b_cv"))
 _RUN_DISPATCH = _RUN_STEP.values(next_task_id=_B("b_next"))
 _APPLIED = update(_U).where(_U.c.run_id == _B("b_run"), _U.c.task_id.in_(_B("b_ids", expanding=True))) \
     .values(applied_in_version=_B("b_v"), pending_params=None)
+_SCHED_SNAPSHOT = update(_RUN).where(_RUN.c.id == _B("b_run")).values(scheduler_state=_B("b_sched"))
 _FORGET_FILTER = update(_U).where(_U.c.run_id == _B("b_run"), _U.c.task_id == _B("b_task")) \
     .values(filter_params=None)
 _INSERT_U, _INSERT_MV, _INSERT_D = insert(_U), insert(_MV), insert(_D)
@@ -46,6 +47,14 @@ _INSERT_U, _INSERT_MV, _INSERT_D = insert(_U), insert(_MV), insert(_D)
 def _update(model):
     """An UPDATE that does not look for the rows among the session's objects (none are loaded)."""
     return update(model).execution_options(synchronize_session=False)
+
+
+def _scheduler_snapshot(c: Connection, run_id: int, loop_state: Any) -> None:
+    """Write the scheduler snapshot a :class:`~fedasync.store.codec.LoopState` carries (if any) in
+    the transaction that writes the loop state referring to it."""
+    snap = getattr(loop_state, "scheduler_state", None)
+    if snap is not None:
+        c.execute(_SCHED_SNAPSHOT, {"b_run": run_id, "b_sched": snap})
 
 
 def default_sqlite_url(run_dir: str | Path) -> str:
@@ -284,7 +293,8 @@ class Store:
         def op(c: Connection) -> None:
             self._set_dispatch(c, run_id, task_id, status, error, now)
             if loop_state is not None:
-                c.execute(update(_RUN).where(_RUN.c.id == run_id).values(loop_state=loop_state))
+                c.execute(update(_RUN).where(_RUN.c.id == run_id).values(loop_state=str(loop_state)))
+                _scheduler_snapshot(c, run_id, loop_state)
         self._write(op)
 
     def _drop_params(self, c: Connection, run_id: int, versions: list[int] | None) -> None:
@@ -330,7 +340,7 @@ class Store:
         spends = [dict(r, run_id=run_id, task_id=task_id, recorded_wall=now)
                   for r in ([privacy] if isinstance(privacy, dict) else privacy or [])]
 
-        run_values = {"b_run": run_id, "b_state": loop_state, "b_vt": virtual_time}
+        run_values = {"b_run": run_id, "b_state": str(loop_state), "b_vt": virtual_time}
 
         def op(c: Connection) -> None:
             c.execute(_INSERT_U, row)
@@ -343,6 +353,7 @@ class Store:
                 c.execute(_RUN_VERSION, dict(run_values, b_cv=version_row["version"]))
             else:
                 c.execute(_RUN_STEP, run_values)
+            _scheduler_snapshot(c, run_id, loop_state)
             self._drop_params(c, run_id, drop_params)
             if forget_filter_params is not None:
                 c.execute(_FORGET_FILTER, {"b_run": run_id, "b_task": forget_filter_params})
@@ -372,7 +383,7 @@ class Store:
             out.append(r)
         values: dict[str, Any] = {"next_task_id": next_task_id}
         if loop_state is not None:
-            values["loop_state"] = loop_state
+            values["loop_state"] = str(loop_state)
         if virtual_time is not None:
             values["virtual_time"] = virtual_time
 
@@ -391,10 +402,11 @@ class Store:
                         c.execute(update(_D).where(_D.c.run_id == run_id, _D.c.task_id == r["task_id"])
                                   .values(**{k: v for k, v in r.items() if k not in ("run_id", "task_id")}))
             if loop_state is not None and virtual_time is not None:
-                c.execute(_RUN_DISPATCH, {"b_run": run_id, "b_state": loop_state, "b_vt": virtual_time,
+                c.execute(_RUN_DISPATCH, {"b_run": run_id, "b_state": str(loop_state), "b_vt": virtual_time,
                                           "b_next": next_task_id})
             else:
                 c.execute(update(_RUN).where(_RUN.c.id == run_id).values(**values))
+            _scheduler_snapshot(c, run_id, loop_state)
             self._next_task[run_id] = max(next_task_id, self._next_task.get(run_id, 0))
         self._write(op)
 
