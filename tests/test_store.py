@@ -443,6 +443,34 @@ def test_dispatch_reply_and_version_in_one_transaction(url):
     store.record_replay(run, {"task_id": 2, "client_id": 2, "message_id": "m2", "reason": "replay",
                               "params_sha256": "1" * 64, "received_virtual": 4.0})
     assert [(x.task_id, x.reason) for x in store.replays(run)] == [(2, "replay")]
+
+
+def test_a_scheduler_snapshot_is_written_with_the_loop_state_that_refers_to_it(url):
+    """``LoopState.scheduler_state`` goes to ``runs.scheduler_state`` in the loop state's own
+    transaction (by every writer of the loop state), and not at all when that rolls back."""
+    from fedasync.store import LoopState
+
+    def state(text, snap=None):
+        s = LoopState(text)
+        s.scheduler_state = snap
+        return s
+
+    store = Store(url)
+    run = _run(store)
+    d = {"client_id": 1, "base_version": 0, "sent_virtual": 0.0, "finish_virtual": 1.0, "node_id": None}
+    store.record_dispatches(run, [dict(d, task_id=0, message_id="m0"), dict(d, task_id=1, message_id="m1")],
+                            next_task_id=2, loop_state=state('{"s": 1}', '{"id": 0}'), virtual_time=0.0)
+    assert (store.get_run(run).loop_state, store.get_run(run).scheduler_state) == ('{"s": 1}', '{"id": 0}')
+    store.set_dispatch_status(run, 1, "failed", "boom", loop_state=state('{"s": 2}', '{"id": 1}'))
+    assert (store.get_run(run).loop_state, store.get_run(run).scheduler_state) == ('{"s": 2}', '{"id": 1}')
+    row = {"client_id": 1, "base_version": 0, "version_at_arrival": 0, "staleness": 0, "weight": 1.0,
+           "num_examples": 10, "loss": 0.5, "epsilon": None, "params_sha256": "1" * 64, "accepted": True,
+           "reason": None, "received_virtual": 1.0, "pending_params": None}
+    store.record_reply(run, 0, row, "replied", None, state('{"s": 3}'), 1.0)  # no snapshot: the last one stays
+    assert (store.get_run(run).loop_state, store.get_run(run).scheduler_state) == ('{"s": 3}', '{"id": 1}')
+    with pytest.raises(IntegrityError):  # the task replied already: nothing of it is written
+        store.record_reply(run, 0, row, "replied", None, state('{"s": 4}', '{"id": 2}'), 2.0)
+    assert (store.get_run(run).loop_state, store.get_run(run).scheduler_state) == ('{"s": 3}', '{"id": 1}')
     assert store.mark_in_flight(run, "cancelled") == 0
 
 
