@@ -539,6 +539,22 @@ def test_signed_dp_replies_through_the_wire(tmp_path):
     _check_records(out)
 
 
+def _check_quietly(*args, **kw):
+    """:func:`_check_rejected` with the tracker's error logs silenced (they are the expected outcome)."""
+    logging.disable(logging.ERROR)
+    try:
+        return _check_rejected(*args, **kw)
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def _spent_inf(out):
+    """The broken reply's spend and its client's record are an epsilon of inf; ``out`` again."""
+    c = out["ups"][BAD].client_id
+    assert out["spend"][BAD].epsilon == math.inf and out["clients"][c].epsilon == math.inf
+    return out
+
+
 @pytest.mark.parametrize("sign", [False, True], ids=["unsigned", "signed"])
 def test_a_reply_that_claims_no_noise_is_over_budget_and_the_run_goes_on(tmp_path, sign):
     """noise_multiplier 0 is in range and spends epsilon = inf: over_budget, recorded as such; the
@@ -546,13 +562,7 @@ def test_a_reply_that_claims_no_noise_is_over_budget_and_the_run_goes_on(tmp_pat
     mutate = _dp_meta(noise_multiplier=0.0)
     if sign:
         mutate = _resigned(mutate)
-    logging.disable(logging.ERROR)
-    try:
-        out = _check_rejected(tmp_path, "dp", sign, mutate, "over_budget", same_model=False)
-    finally:
-        logging.disable(logging.NOTSET)
-    c = out["ups"][BAD].client_id
-    assert out["spend"][BAD].epsilon == math.inf and out["clients"][c].epsilon == math.inf
+    out = _spent_inf(_check_quietly(tmp_path, "dp", sign, mutate, "over_budget", same_model=False))
     assert out["summary"]["privacy"]["epsilon_max"] == math.inf
     # summary.json is strict JSON (it said Infinity, which jq, JavaScript and PostgreSQL refuse): null
     from fedasync.outputs import write_run_outputs
@@ -578,11 +588,7 @@ def test_a_history_of_thousands_of_distinct_entries_does_not_stall_the_server(tm
         extra = [[SIGMA + (i + 1) * 1e-6, q, 1] for i in range(3000)]
         return dict(r, metrics=dict(r["metrics"], accountant_history=r["metrics"]["accountant_history"] + extra))
     mutate = _resigned(pad) if sign else pad
-    logging.disable(logging.ERROR)
-    try:
-        _check_rejected(tmp_path, "dp", sign, mutate, "privacy_accounting")
-    finally:
-        logging.disable(logging.NOTSET)
+    _check_quietly(tmp_path, "dp", sign, mutate, "privacy_accounting")
 
 
 def _append_entry(sigma):
@@ -602,10 +608,4 @@ def _append_entry(sigma):
 def test_a_sigma_whose_epsilon_cannot_be_computed_is_an_unbounded_spend(tmp_path, case, mutate):
     """Opacus' RDP divides by zero at sigma = 1e-300 and overflows at 1e300: the error escaped the
     tracker and ended the run. An epsilon that cannot be computed is no bound: inf, over_budget."""
-    logging.disable(logging.ERROR)
-    try:
-        out = _check_rejected(tmp_path, "dp", False, mutate, "over_budget", same_model=False)
-    finally:
-        logging.disable(logging.NOTSET)
-    c = out["ups"][BAD].client_id
-    assert out["spend"][BAD].epsilon == math.inf and out["clients"][c].epsilon == math.inf
+    _spent_inf(_check_quietly(tmp_path, "dp", False, mutate, "over_budget", same_model=False))
