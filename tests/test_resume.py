@@ -580,6 +580,7 @@ def test_the_scheduler_state_is_a_snapshot_plus_the_clients_touched_since(name):
     sched = make_scheduler(name, 3)
     touched: set[int] = set()
     srv = SimpleNamespace(strategy=SimpleNamespace(pending=lambda: [1], state_dict=dict), _strategy_snapshot={},
+                          _scheduler_snap=None,
                           scheduler=sched, policy=SimpleNamespace(touched=touched, state_dict=dict),
                           clock=SimpleNamespace(now=0.0), exhausted=set(), time_to_target=None)
     n, snapshots, sizes, column = 400, 0, [], None

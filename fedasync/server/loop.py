@@ -121,6 +121,7 @@ class AsyncServer:
         self.digests = Digests()  # the sha256 of each reply, for its row
 
         self._strategy_snapshot = self.strategy.state_dict()
+        self._scheduler_snap: dict | None = None  # resume.loop_state's last scheduler snapshot (id, sizes)
         if resume_run_id is None:
             self.params = init_params(cfg.model, fed.input_shape, fed.num_classes, cfg.seed)
             self.version = 0

@@ -36,7 +36,7 @@ RESEND = ("in_flight", "cancelled", "lost")
 #: the schedulers' per-client dicts ``{client: value}`` (attribute and state key alike: pairs
 #: ``[[client, value], ...]``); their other state keys are small and go whole into every loop state
 PER_CLIENT = ("dispatches", "dur_sum", "dur_n", "remaining", "affordable")
-SCHEDULER_GLOBALS = ("scheduler", "first", "last")  # and "bit_generator"
+SCHEDULER_TIMES = ("first", "last")  # staleness_aware's (time, version) points, beside name and stream
 
 
 def loop_state(srv: AsyncServer) -> LoopState:
@@ -51,8 +51,7 @@ def loop_state(srv: AsyncServer) -> LoopState:
         srv._strategy_snapshot = srv.strategy.state_dict()
     sched, touched = srv.scheduler, srv.policy.touched
     dicts = {k: getattr(sched, k) for k in PER_CLIENT if isinstance(getattr(sched, k, None), dict)}
-    snap: dict | None = getattr(srv, "_scheduler_snap", None)
-    text = None
+    snap, text = srv._scheduler_snap, None
     if snap is None or len(touched) ** 2 > max(64, sum(map(len, dicts.values()))):
         snap = srv._scheduler_snap = {"id": 0 if snap is None else snap["id"] + 1,
                                       "lens": {k: len(d) for k, d in dicts.items()}}
@@ -63,9 +62,9 @@ def loop_state(srv: AsyncServer) -> LoopState:
         new = list(itertools.islice(d.items(), snap["lens"][k], None))
         fresh = {c for c, _ in new}
         changes[k] = [[c, d[c]] for c in sorted(touched) if c in d and c not in fresh] + [[c, v] for c, v in new]
-    scheduler = {"snapshot": snap["id"], "changes": changes, "bit_generator": sched.rng.bit_generator.state,
-                 **{k: getattr(sched, k) if k != "scheduler" else sched.name for k in SCHEDULER_GLOBALS
-                    if k == "scheduler" or hasattr(sched, k)}}
+    scheduler = {"scheduler": sched.name, "bit_generator": sched.rng.bit_generator.state,
+                 **{k: getattr(sched, k) for k in SCHEDULER_TIMES if hasattr(sched, k)},
+                 "snapshot": snap["id"], "changes": changes}
     out = LoopState(dumps_state({
         "strategy": srv._strategy_snapshot,
         "scheduler": scheduler,
