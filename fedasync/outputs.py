@@ -60,7 +60,7 @@ def remove_if_empty(out: Path) -> bool:
     try:
         if any(not p.is_dir() for p in out.rglob("*")):
             return False
-        for d in sorted((p for p in out.rglob("*")), key=lambda p: len(p.parts), reverse=True):
+        for d in sorted(out.rglob("*"), key=lambda p: len(p.parts), reverse=True):  # deepest first
             d.rmdir()
         out.rmdir()
         return True

@@ -58,10 +58,10 @@ def runs(
                     acc = f"{fa:.4f}" if fa is not None else ""
                     if r.mode in ("gossip", "ledger"):  # no global version: the summary counts its models
                         versions = summary.get("versions", versions)
-                row = [label if many else r.name, r.strategy, r.mode, r.status, str(versions), acc]
+                cells = [label, str(r.id)] if many else [str(r.id), r.name]
+                cells += [r.strategy, r.mode, r.status, str(versions), acc]
                 if not many:
-                    row.append(time.strftime("%Y-%m-%d %H:%M", time.localtime(r.created_wall)))
-                cells = [row[0], str(r.id), *row[1:]] if many else [str(r.id), *row]
+                    cells.append(time.strftime("%Y-%m-%d %H:%M", time.localtime(r.created_wall)))
                 table.add_row(*(escape(c) for c in cells))
         finally:
             st.close()
