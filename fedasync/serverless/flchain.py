@@ -24,15 +24,21 @@ Kinds
 -----
 - **genesis** (height 0): the initial model; ``meta.rule`` fixes the aggregation rule for the
   whole chain: FedBuff with ``buffer_size`` K, ``server_lr``, ``staleness`` ``{fn, a, b}``,
-  ``weighting`` and ``max_aggregates`` (``--max-steps``; null: no limit). ``meta.members``
-  pins the signers: ``[{"peer": i, "public_key": hex}, ...]``.
+  ``weighting``, ``max_aggregates`` (``--max-steps``; null: no limit) and ``max_examples`` (the
+  largest partition of the run's data: no update may claim more ``num_examples``).
+  ``meta.members`` pins the signers: ``[{"peer": i, "public_key": hex}, ...]``. A genesis block
+  without a valid rule or member list is refused by every reader (a peer's view raises
+  :class:`ChainError`, ``verify`` fails at height 0): one check, :func:`check_block`.
 - **member**: ``meta.op`` ``add`` (``peer``, ``public_key``) or ``remove`` (``peer``); no payload.
 - **update**: a peer's new parameters ``x_i`` after local training from the model block it
   read, named by ``meta.base`` (its height) and ``meta.base_hash``. Also ``peer``, ``task_id``,
   ``num_examples``, ``loss``, ``epsilon`` (DP) and ``params_sha256``.
-- **aggregate**: the next model. ``meta.updates`` names exactly the K **oldest pending** update
-  blocks (pending: accepted, and not named by an earlier aggregate), ``meta.parent`` the latest
-  model block. The parameters are the FedBuff rule (:class:`fedasync.server.strategies.FedBuff`,
+- **aggregate**: the next model. ``meta.updates`` names exactly the update blocks the rule
+  selects (:func:`fedasync.serverless.ledger_rule.select_updates`): walking the pending update
+  blocks (accepted, and not named by an earlier aggregate) oldest first, each peer's oldest one,
+  until K **distinct peers**: **at most one update per peer**; a peer's later updates stay pending
+  for later aggregates, and there is no aggregate until K distinct peers have one pending.
+  ``meta.parent`` is the latest model block. The parameters are the FedBuff rule (:class:`fedasync.server.strategies.FedBuff`,
   the server's own code) applied to those updates in height order, from the parent model: the
   update at height ``u`` with base model ``b`` has staleness ``s = m(u) - m(b)``, where ``m(h)``
   is the number of model blocks (genesis and aggregates) below height ``h``, minus one:
@@ -54,8 +60,8 @@ Who may sign (membership)
 - A block that breaks these rules, or any other (its ``prev_hash``, hash or signature does not
   verify; its payload is not a model of the genesis model's keys, shapes and dtypes; an
   update's ``meta.base`` is not an earlier model block or its ``num_examples`` not a
-  non-negative integer; an aggregate does not name the K oldest pending updates or does not
-  recompute bit for bit) is **rejected**: :class:`ChainView`, what every peer aggregates from,
+  non-negative integer within ``max_examples``; an aggregate does not name the updates the rule
+  selects (two updates of one peer, say) or does not recompute bit for bit) is **rejected**: :class:`ChainView`, what every peer aggregates from,
   skips it (it is never pending, never aggregated, never a model), and the chain continues
   above it (the next block links to its hash, so heights stay contiguous). The check is one
   function, :func:`fedasync.serverless.ledger_block.check_block`, that
@@ -69,7 +75,7 @@ A peer reads the chain (:class:`ChainView`), builds the block for height ``head 
 it with its payload in one transaction. If another peer took that height first the database's
 unique constraint rejects the insert; the loser re-reads the chain and retries (an update block
 is re-linked and re-signed, an aggregate is recomputed from the new pending set, or dropped
-when fewer than K are left). No peer is special: whoever sees K pending updates may aggregate.
+when fewer than K distinct peers have an update pending). No peer is special: whoever sees K pending updates may aggregate.
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ import hashlib
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any, Callable
 
 import numpy as np
@@ -106,7 +113,13 @@ from fedasync.serverless.ledger_block import (  # noqa: F401 (re-exported: the c
     check_block,
     payload_digest,
 )
-from fedasync.serverless.ledger_rule import Rule, UpdateIn, compute_aggregate, same_params  # noqa: F401 (re-exported)
+from fedasync.serverless.ledger_rule import (  # noqa: F401 (re-exported)
+    Rule,
+    UpdateIn,
+    compute_aggregate,
+    same_params,
+    select_updates,
+)
 from fedasync.serverless.runs import create_run, run_summary
 from fedasync.signing import public_raw, sign_block, valid_block_key, verify_block_signature  # noqa: F401
 from fedasync.store import Store, decode_params, encode_params
@@ -149,7 +162,7 @@ class ChainView:
         self.arrival: dict[int, int] = {}  # update height -> model index of the latest model below it
         self.updates: dict[int, UpdateFacts] = {}  # accepted update height -> its checked meta
         self.rejected: list[int] = []  # heights every peer ignores
-        self.members: Membership | None = None  # None: a chain written before signers were pinned
+        self.members: Membership | None = None  # None until the genesis block is read (a view refuses one without)
         self.spec: list | None = None  # the genesis model's (key, shape, dtype)
         self._cache: OrderedDict[str, Params] = OrderedDict()
         self._cache_size = cache_size
@@ -187,14 +200,15 @@ class ChainView:
             if b.kind == "genesis":
                 self.rule, self.spec, self.members = v.rule, v.spec, v.members
             else:
-                self.pending = self.pending[len(b.meta["updates"]):]  # checked: the K oldest
+                named = set(b.meta["updates"])  # checked: the rule's selection
+                self.pending = [u for u in self.pending if u not in named]
             self.model_index[h] = len(self.models)
             self.models.append(h)
         elif b.kind == "update":
             self.pending.append(h)
             self.arrival[h] = v.update.arrival
             self.updates[h] = v.update
-        elif self.members is not None:  # member
+        else:  # member (an accepted genesis pinned the members)
             self.members.apply(h, b.meta)
         self.blocks.append(b)
 
@@ -243,6 +257,12 @@ class ChainView:
 
     def params(self, height: int) -> Params:
         return self.payload(self.blocks[height].payload_sha256)
+
+    def next_updates(self) -> list[int] | None:
+        """The update heights the next aggregate takes (at most one per peer, see
+        :func:`~fedasync.serverless.ledger_rule.select_updates`); None while fewer than K distinct
+        peers have an update pending."""
+        return select_updates([(h, self.updates[h].peer) for h in self.pending], self.rule.buffer_size)
 
     def staleness(self, update_height: int) -> int:
         f = self.updates[update_height]
@@ -311,9 +331,17 @@ def create_ledger(store: Store, cfg: Config, rule: Rule, key: Ed25519PrivateKey,
                   members: dict[int, Any], settings: dict | None = None, nonce: str | None = None,
                   init: Params | None = None) -> int:
     """A new ledger run: the run's rows and the genesis block (the initial model, signed by the
-    run's authority ``key``), pinning ``members`` ({peer id: public key}) as the signers."""
+    run's authority ``key``), pinning ``members`` ({peer id: public key}) as the signers.
+
+    A ``rule`` without ``max_examples`` gets the largest partition of the run's data (every
+    peer trains on its partition of ``cfg.data``, so an honest update never claims more)."""
     if init is None:
         init = PeerTask(cfg).init
+    if rule.max_examples is None:
+        from fedasync.task.data import load_federated  # cached per process: the peers' own partitions
+
+        sizes = [len(y) for _, y in load_federated(cfg.data, cfg.seed).partitions]
+        rule = replace(rule, max_examples=max(1, *sizes))
     pinned = [{"peer": int(p), "public_key": key_hex(k)} for p, k in sorted(members.items())]
     settings = dict(settings or {})
     settings.update({"rule": rule.to_dict()})
@@ -351,8 +379,6 @@ def append_member(store: Store, run_id: int, authority: Ed25519PrivateKey, op: s
         view.refresh()
         if not view.blocks:
             raise ChainError(f"run {run_id}: the chain is empty")
-        if view.members is None:
-            raise ChainError(f"run {run_id}: the genesis block pins no signers (a chain from an older fedasync)")
         why = view.members.check("member", key_hex(authority), meta)
         if why:
             raise ChainError(f"run {run_id}: {why}")

@@ -12,9 +12,12 @@ does not recompute, the signature does not verify, the payload bytes are missing
 the auditor stops there, a peer skips it. Otherwise it is an intact, signed block that breaks a
 rule (a signer that may not sign it; a payload that is not a model of the genesis model's keys,
 shapes and dtypes; an update whose ``meta.base`` is not an earlier model block, or whose
-``num_examples`` is not a non-negative integer; an aggregate that does not name exactly the K
-oldest pending updates and the latest model, or whose parameters are not FedBuff recomputed from
-them bit for bit): every reader ignores it and reads on.
+``num_examples`` is not a non-negative integer within the rule's ``max_examples``; an aggregate
+that does not name exactly the updates the rule selects, at most one per peer
+(:func:`~fedasync.serverless.ledger_rule.select_updates`), and the latest model, or whose
+parameters are not FedBuff recomputed from them bit for bit): every reader ignores it and reads
+on. A genesis block that fails (no valid rule, no valid member list) is refused by every reader:
+a peer's view raises :class:`ChainError`, the auditor reports FAIL at height 0.
 
 Pure: no database (payloads come through the view's ``payload``).
 """
@@ -233,7 +236,6 @@ class Verdict:
     rule: Rule | None = None  # the genesis block's
     spec: list | None = None  # the genesis model's (key, shape, dtype)
     members: Membership | None = None  # the genesis block's
-    members_error: str | None = None  # the genesis block pins no valid signers (an older chain)
     recomputed: bool = False  # an accepted aggregate, recomputed bit for bit
 
 
@@ -246,8 +248,9 @@ def check_block(view: Any, b: Block) -> Verdict:
     below it as ``view`` (a :class:`~fedasync.serverless.flchain.ChainView`) has applied them.
 
     ``view`` provides ``blocks``, ``members``, ``rule``, ``spec``, ``models``, ``model_index``,
-    ``pending``, ``payload(sha)`` (:class:`PayloadError` / :class:`BadPayload`), ``params(height)``
-    and ``update_in(height)``. Never raises for anything stored in the chain."""
+    ``pending``, ``next_updates()`` (the rule's selection from the pending updates),
+    ``payload(sha)`` (:class:`PayloadError` / :class:`BadPayload`), ``params(height)`` and
+    ``update_in(height)``. Never raises for anything stored in the chain."""
     h = len(view.blocks)
     prev = view.blocks[-1].hash if view.blocks else ZERO_HASH
     if h == 0 and b.kind != "genesis":
@@ -264,8 +267,7 @@ def check_block(view: Any, b: Block) -> Verdict:
     if b.kind not in KINDS:
         return Verdict(f"unknown kind {b.kind!r}")
     if h > 0:
-        why = view.members.check(b.kind, b.public_key, b.meta) if view.members is not None else \
-            ("a second genesis block" if b.kind == "genesis" else None)
+        why = view.members.check(b.kind, b.public_key, b.meta)  # an accepted genesis pinned them
         if why is not None:
             return Verdict(why)
     if b.kind == "member":
@@ -297,10 +299,10 @@ def _genesis(b: Block, spec: list) -> Verdict:
     except Exception as e:
         return Verdict(f"meta.rule is not a valid aggregation rule ({e})")
     try:
-        members, err = Membership.from_genesis(b.public_key, b.meta), None
+        members = Membership.from_genesis(b.public_key, b.meta)
     except ValueError as e:
-        members, err = None, str(e)
-    return Verdict(rule=rule, spec=spec, members=members, members_error=err)
+        return Verdict(str(e))
+    return Verdict(rule=rule, spec=spec, members=members)
 
 
 def _update(view: Any, b: Block) -> Verdict:
@@ -315,6 +317,9 @@ def _update(view: Any, b: Block) -> Verdict:
     n = m.get("num_examples", 0)
     if _int(n) is None or n < 0:
         return Verdict(f"meta.num_examples {n!r} is not a non-negative integer")
+    why = view.rule.examples_error(n)
+    if why:
+        return Verdict(why)
     peer = _int(m.get("peer"))
     if peer is None:
         return Verdict(f"meta.peer {m.get('peer')!r} is not a peer id")
@@ -327,10 +332,13 @@ def _aggregate(view: Any, b: Block, params: Params) -> Verdict:
     if rule.max_aggregates is not None and len(view.models) - 1 >= rule.max_aggregates:
         return Verdict(f"more aggregates than the chain's max_aggregates ({rule.max_aggregates})")
     names = m.get("updates")
-    oldest = view.pending[:k]
-    if not (isinstance(names, list) and len(names) == k and all(_int(u) is not None for u in names)
-            and names == oldest):
-        return Verdict(f"names update blocks {names!r} but the {k} oldest pending are {oldest}")
+    chosen = view.next_updates()
+    if chosen is None:
+        return Verdict(f"names update blocks {names!r} but the rule takes none: fewer than K={k} distinct peers "
+                       "have an update pending")
+    if not (isinstance(names, list) and all(_int(u) is not None for u in names) and names == chosen):
+        return Verdict(f"names update blocks {names!r} but the rule takes {chosen} (each of the first {k} "
+                       "distinct peers' oldest pending update)")
     parent = m.get("parent")
     if _int(parent) is None or parent != view.models[-1]:
         return Verdict(f"meta.parent {parent!r} is not the latest model block ({view.models[-1]})")

@@ -27,9 +27,6 @@ def membership_error(view: ChainView, peer_id: int, public_key: str) -> str | No
     view.refresh()
     if not view.blocks:
         return f"run {view.run_id}: the chain is empty"
-    if view.members is None:
-        return (f"run {view.run_id}: the genesis block pins no signers (a chain from an older fedasync); "
-                "start a new run")
     if view.members.key_of(peer_id) != public_key:
         return (f"peer {peer_id}: key {public_key[:16]} is not peer {peer_id}'s key in run {view.run_id}; the run's "
                 "authority must admit it first (`fedasync ledger member add`)")
@@ -74,7 +71,7 @@ class LedgerPeer:
         """Whether this key may still sign for this peer id (it may have been removed)."""
         if refresh:
             self.view.refresh()
-        return self.view.members is not None and self.view.members.key_of(self.peer_id) == self.public_key
+        return self.view.members.key_of(self.peer_id) == self.public_key
 
     def _check_member(self) -> None:
         if not self.is_member(refresh=False):
@@ -129,14 +126,16 @@ class LedgerPeer:
         raise ChainError(f"peer {self.peer_id}: could not append an update block in {self.max_retries} tries")
 
     def try_aggregate(self, created: float | None = None) -> int | None:
-        """Append the aggregate block if K updates are pending (retrying lost races); its height."""
+        """Append the aggregate block if K distinct peers have an update pending (retrying lost
+        races); its height. It takes the rule's selection: each of the first K distinct peers'
+        oldest pending update, at most one per peer."""
         for _ in range(self.max_retries):
             self.view.refresh()
             self._check_member()
             rule = self.rule
-            if self.done() or len(self.view.pending) < rule.buffer_size:
+            names = None if self.done() else self.view.next_updates()
+            if names is None:
                 return None
-            names = self.view.pending[: rule.buffer_size]
             parent = self.view.models[-1]
             parent_index = self.view.model_index[parent]
             ups = [self.view.update_in(h) for h in names]

@@ -9,10 +9,12 @@ then **who signed** (:class:`~fedasync.serverless.ledger_block.Membership`: the 
 members and the member blocks since); then the payload: it exists, hashes to ``payload_sha256``,
 decodes to a model of the genesis model's keys, shapes and dtypes and matches
 ``meta.params_sha256`` (a member block's payload is empty); an update's base is an earlier model
-block with that hash and its ``num_examples`` a non-negative integer; an aggregate names exactly
-the K oldest pending updates and the latest model as parent, its recorded staleness is the
-chain's, and **its parameters equal FedBuff recomputed from the named update blocks, bit for
-bit**.
+block with that hash and its ``num_examples`` a non-negative integer within the rule's
+``max_examples``; an aggregate names exactly the updates the rule selects (each of the first K
+distinct peers' oldest pending update: at most one per peer) and the latest model as parent, its
+recorded staleness is the chain's, and **its parameters equal FedBuff recomputed from the named
+update blocks, bit for bit**. The genesis block must carry a complete rule and a member list,
+as every peer's view requires.
 
 A broken record (a link, hash, signature, or payload bytes missing or changed) stops the walk:
 nothing above it can be trusted. A block that is intact but breaks a rule (a key that may not
@@ -135,8 +137,8 @@ def verify_chain(store: Store, run_id: int, batch: int = 200, head: str | None =
             view._prefetched = {b.payload_sha256: data} if data is not None else {}
             v: Verdict = check_block(view, b)
             view._prefetched = {}
-            if v.fatal or (h == 0 and (v.why or v.members_error)):
-                return _finish(store, bad(h, b.kind, v.why or v.members_error), view, head, authority)
+            if v.fatal or (h == 0 and v.why):  # a genesis block no peer accepts either
+                return _finish(store, bad(h, b.kind, v.why), view, head, authority)
             view.accept(b, v)
             counts["blocks"] += 1
             if v.why is not None:
