@@ -98,7 +98,8 @@ def main() -> None:
         "deploy": {"signing": True, "public_keys": str(keys), "node_discovery_timeout": 600},
     }))
     link, *node_ports = free_ports(n + 1)
-    tls = ["--insecure"] if args.insecure else ["--certs", str(certs), "--supernode-auth", str(keys)]
+    tls = (["--insecure", "--no-supernode-auth"] if args.insecure
+           else ["--certs", str(certs), "--supernode-auth", str(keys)])
     procs: list[subprocess.Popen] = []
 
     def start(cmd, log, home):
@@ -130,7 +131,7 @@ def main() -> None:
                 time.sleep(0.2)
             t_serverapp = time.time()
         for i in range(n):
-            node_tls = (["--insecure"] if args.insecure else
+            node_tls = (["--insecure", "--no-supernode-auth"] if args.insecure else
                         ["--root-certificates", str(certs / "ca.crt"), "--auth-key", str(keys / f"supernode-{i}.key")])
             start([FEDASYNC, "client", "--superlink", f"127.0.0.1:{link}", "--partition-id", str(i),
                    "--num-partitions", str(n), "--signing-key", str(keys / f"client-{i}.key"),

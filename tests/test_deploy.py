@@ -124,18 +124,19 @@ def test_keys_and_certs_commands(tmp_path):
 def test_client_command_checks_its_inputs(tmp_path):
     runner = CliRunner()
     base = ["client", "--superlink", "127.0.0.1:9092", "--num-partitions", "4"]
+    off = ["--no-signing", "--no-supernode-auth"]
     cases = [
         (["--partition-id", "4", "--insecure"], "--partition-id: 4 is not in 0-3"),
         (["--partition-id", "0"], "--root-certificates: needed for TLS"),
         (["--partition-id", "0", "--insecure", "--auth-key", str(tmp_path / "x")], "needs TLS"),
-        (["--partition-id", "0", "--root-certificates", str(tmp_path / "nope.crt")], "no such file"),
-        (["--partition-id", "0", "--insecure", "--device", "tpu"], "--device"),
+        (["--partition-id", "0", "--root-certificates", str(tmp_path / "nope.crt"), *off], "no such file"),
+        (["--partition-id", "0", "--insecure", "--device", "tpu", *off], "--device"),
     ]
     for extra, msg in cases:
         r = runner.invoke(cli_app, base + extra)
         assert r.exit_code == 2 and msg in r.output, (extra, r.output)
     r = runner.invoke(cli_app, ["client", "--superlink", "nohostport", "--partition-id", "0",
-                                "--num-partitions", "2", "--insecure"])
+                                "--num-partitions", "2", "--insecure", "--no-signing", "--no-supernode-auth"])
     assert r.exit_code == 2 and "HOST:PORT" in r.output
 
 
@@ -159,8 +160,8 @@ def test_server_command_checks_its_inputs(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"data": {"num_clients": 4}, "server": {"concurrency": 2, "buffer_size": 2},
                                    "deploy": {"signing": True}}))
-    r = runner.invoke(cli_app, ["server", str(cfg), "--insecure", "--out", str(tmp_path / "o")])
-    assert r.exit_code == 2 and "deploy.public_keys: needed" in r.output
+    r = runner.invoke(cli_app, ["server", str(cfg), "--insecure", "--no-supernode-auth", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "deploy.public_keys: updates are signed by default" in r.output
     cfg.write_text(yaml.safe_dump({"data": {"num_clients": 4}, "server": {"concurrency": 2, "buffer_size": 2}}))
     r = runner.invoke(cli_app, ["server", str(cfg), "--out", str(tmp_path / "o")])
     assert r.exit_code == 2 and "TLS: give --certs" in r.output
@@ -278,7 +279,7 @@ def test_deploy_end_to_end_tls_auth_signing(tmp_path):
         "train": {"local_epochs": 1, "batch_size": 32, "lr": 0.1},
         "server": {"strategy": "fedasync", "concurrency": 4, "max_versions": 6, "eval_every": 3,
                    "task_timeout": 600},
-        "deploy": {"signing": True, "public_keys": str(keys), "node_discovery_timeout": 300},
+        "deploy": {"public_keys": str(keys), "node_discovery_timeout": 300},  # signing: on by default
     }))
     home = tmp_path / "flwr"
     out = tmp_path / "run"
@@ -342,7 +343,8 @@ def test_supernode_command_warm_and_poll(tmp_path):
     with pytest.raises(DeployError, match="--poll-interval"):
         supernode_command("127.0.0.1:9092", 0, 2, insecure=True, poll_interval=0)
     r = CliRunner().invoke(cli_app, ["client", "--superlink", "127.0.0.1:9092", "--partition-id", "0",
-                                     "--num-partitions", "2", "--insecure", "--poll-interval", "-1"])
+                                     "--num-partitions", "2", "--insecure", "--no-signing", "--no-supernode-auth",
+                                     "--poll-interval", "-1"])
     assert r.exit_code == 2 and "--poll-interval" in r.output
 
 
@@ -443,12 +445,13 @@ def test_deploy_device_failures_cost_one_task(tmp_path):
     procs = Processes(home)
     logs = [tmp_path / f"client-{i}.log" for i in range(3)]
     try:
-        server = procs.start([FEDASYNC, "server", str(cfg), "--out", str(out), "--insecure", "--port", str(link_port)],
-                             tmp_path / "server.out", home / "server")
+        server = procs.start([FEDASYNC, "server", str(cfg), "--out", str(out), "--insecure", "--port", str(link_port),
+                              "--no-signing", "--no-supernode-auth"], tmp_path / "server.out", home / "server")
         wait_for_text(tmp_path / "server.out", "submitted", 180, server)
         nodes = [procs.start([FEDASYNC, "client", "--superlink", f"127.0.0.1:{link_port}", "--partition-id", str(i),
-                              "--num-partitions", "3", "--insecure", "--port", str(node_ports[i]), "--device", "cpu",
-                              "--poll-interval", "0.5"], logs[i], home / f"node-{i}") for i in range(3)]
+                              "--num-partitions", "3", "--insecure", "--no-signing", "--no-supernode-auth",
+                              "--port", str(node_ports[i]), "--device", "cpu", "--poll-interval", "0.5"],
+                             logs[i], home / f"node-{i}") for i in range(3)]
         # device 0: its task process dies mid-task -> the trainer sends an error reply
         _, task0, _ = _trainer_line(logs[0], "device 0")
         os.kill(task0, signal.SIGKILL)

@@ -123,7 +123,7 @@ def test_client_poll_interval_must_be_finite(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "execve", no_exec)
     runner = CliRunner()
     base = ["client", "--superlink", "127.0.0.1:9092", "--num-partitions", "2", "--partition-id", "0", "--insecure",
-            "--privacy-state-dir", str(tmp_path / "p")]
+            "--no-signing", "--no-supernode-auth", "--privacy-state-dir", str(tmp_path / "p")]
     for bad in ("inf", "1e300", "nan", "0", "-1", "3601"):
         r = runner.invoke(cli_app, base + ["--poll-interval", bad])
         assert r.exit_code == 2 and "--poll-interval" in r.output, (bad, r.output)
@@ -299,3 +299,79 @@ def test_a_node_claiming_another_clients_registered_key_is_not_used(in_a_flower_
     t.refresh()
     t.refresh()
     assert t.client_node == {0: 51} and "auth key is client 2's" in t.nodes[52]["rejected"]
+
+
+# -- secure by default (issue 32) ---------------------------------------------------------
+
+
+def _one_line(r, *texts: str) -> None:
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and all(t in lines[0] for t in texts), r.output
+
+
+def test_server_needs_both_kinds_of_keys_unless_turned_off(tmp_path, monkeypatch):
+    """Node authentication and update signing are on by default: without their keys the server
+    refuses (one line naming what to pass); --no-* turns each off with a warning, and the
+    ServerApp's config says whether it signs."""
+    from fedasync.deploy import run as run_mod
+
+    runner = CliRunner()
+    keys, certs = tmp_path / "keys", tmp_path / "certs"
+    assert runner.invoke(cli_app, ["keys", "gen", "--out", str(keys), "--clients", "2"]).exit_code == 0
+    assert runner.invoke(cli_app, ["certs", "gen", "--out", str(certs), "--host", "x"]).exit_code == 0
+    cfg = _cfg(tmp_path)
+    tls = ["--certs", str(certs), "--port", "1", "--out", str(tmp_path / "o")]
+    _one_line(runner.invoke(cli_app, ["server", str(cfg), *tls]), "--supernode-auth", "--no-supernode-auth")
+    _one_line(runner.invoke(cli_app, ["server", str(cfg), "--insecure", "--out", str(tmp_path / "o")]),
+              "--supernode-auth", "--no-supernode-auth")
+    _one_line(runner.invoke(cli_app, ["server", str(cfg), *tls, "--supernode-auth", str(keys)]),
+              "deploy.public_keys", "--no-signing")
+    _one_line(runner.invoke(cli_app, ["server", str(cfg), *tls, "--supernode-auth", str(keys),
+                                      "--no-supernode-auth", "--no-signing"]), "exclude each other")
+    assert not (tmp_path / "o").exists()
+
+    seen = []
+
+    class NoRun:  # stands in for ServerRun: records what the server would run with, starts nothing
+        def __init__(self, cfg, out, **kw):
+            seen.append((cfg.deploy.signing, kw["auth_keys"], kw["public_keys"]))
+            raise DeployError("not started (test)")
+
+    monkeypatch.setattr(run_mod, "ServerRun", NoRun)
+    r = runner.invoke(cli_app, ["server", str(cfg), *tls, "--supernode-auth", str(keys),
+                                "--set", f"deploy.public_keys={keys}"])
+    assert "warning" not in r.output and "not started (test)" in r.output, r.output
+    signing, auth, pub = seen.pop()
+    assert signing and sorted(auth) == [0, 1] and sorted(pub) == [0, 1]
+    r = runner.invoke(cli_app, ["server", str(cfg), "--insecure", "--no-supernode-auth", "--no-signing",
+                                "--set", "deploy.signing=true", "--out", str(tmp_path / "o")])
+    assert "warning: --no-supernode-auth" in r.output and "warning: --no-signing" in r.output, r.output
+    assert seen.pop() == (False, {}, {})
+
+
+def test_client_needs_both_keys_unless_turned_off(tmp_path, monkeypatch):
+    import os
+
+    runner = CliRunner()
+    keys, certs = tmp_path / "keys", tmp_path / "certs"
+    assert runner.invoke(cli_app, ["keys", "gen", "--out", str(keys), "--clients", "1"]).exit_code == 0
+    assert runner.invoke(cli_app, ["certs", "gen", "--out", str(certs), "--host", "x"]).exit_code == 0
+    base = ["client", "--superlink", "127.0.0.1:9092", "--partition-id", "0", "--num-partitions", "1",
+            "--privacy-state-dir", str(tmp_path / "p")]
+    tls = ["--root-certificates", str(certs / "ca.crt")]
+    auth, sign = ["--auth-key", str(keys / "supernode-0.key")], ["--signing-key", str(keys / "client-0.key")]
+    execs = []
+    monkeypatch.setattr(os, "execve", lambda path, cmd, env: execs.append(cmd))
+    _one_line(runner.invoke(cli_app, base + tls + sign), "--auth-key", "--no-supernode-auth")
+    _one_line(runner.invoke(cli_app, base + ["--insecure"] + sign), "--auth-key", "--no-supernode-auth")
+    _one_line(runner.invoke(cli_app, base + tls + auth), "--signing-key", "--no-signing")
+    _one_line(runner.invoke(cli_app, base + tls + auth + sign + ["--no-signing"]), "exclude each other")
+    assert execs == []
+    r = runner.invoke(cli_app, base + tls + auth + sign)
+    assert r.exit_code == 0 and "warning" not in r.output, r.output
+    r = runner.invoke(cli_app, base + ["--insecure", "--no-signing", "--no-supernode-auth"])
+    assert r.exit_code == 0 and "warning: --no-signing" in r.output and "warning: --no-supernode-auth" in r.output
+    secure, bare = execs
+    assert "--auth-supernode-private-key" in secure and "signing-key" in secure[secure.index("--node-config") + 1]
+    assert "--auth-supernode-private-key" not in bare and "signing-key" not in bare[bare.index("--node-config") + 1]

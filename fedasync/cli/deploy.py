@@ -9,9 +9,14 @@ writes nothing itself: the ServerApp writes the run directory (``summary.json``,
 ``accuracy.png``, ``config.yaml``, the store, ``server.log``). Ctrl-C asks the ServerApp to stop
 (the run is marked ``stopped``; ``--resume`` continues it); a second Ctrl-C stops the Flower run.
 
+Secure by default: ``fedasync server`` needs the SuperNodes' keys (``--supernode-auth DIR``) and
+the clients' signing keys (``deploy.public_keys``), and ``fedasync client`` its ``--auth-key`` and
+``--signing-key``, unless ``--no-supernode-auth`` / ``--no-signing`` turns one off (a warning).
+
 ``fedasync client`` replaces itself with the device's SuperNode (:mod:`fedasync.deploy.supernode`:
-Flower's ``flower-supernode`` with a shorter poll, and a warm trainer, :mod:`fedasync.clients.warm`);
-the node config carries ``partition-id``, ``num-partitions``, ``data-path``, ``signing-key``,
+Flower's ``flower-supernode`` with a shorter poll, and a warm trainer, :mod:`fedasync.clients.warm`)
+on its own local port (``--port``, else a free one, checked before it starts); the node config
+carries ``partition-id``, ``num-partitions``, ``data-path``, ``signing-key``,
 ``device`` and ``privacy-state-dir`` (see ``fedasync.clients.app``).
 
 Everything Flower keeps (its CLI config, the SuperLink's apps) lives in ``<out>/flwr/`` unless
@@ -108,11 +113,17 @@ def client(
                                                      help="CA certificate (ca.crt) to verify the SuperLink."),
     insecure: bool = typer.Option(False, "--insecure", help="Plain HTTP, no TLS (tests on one machine only)."),
     auth_key: Optional[Path] = typer.Option(None, "--auth-key", help="SuperNode authentication key "
-                                            "(supernode-<i>.key, registered by the server)."),
+                                            "(supernode-<i>.key, registered by the server); needed unless "
+                                            "--no-supernode-auth."),
     signing_key: Optional[Path] = typer.Option(None, "--signing-key", help="Ed25519 key to sign updates "
-                                               "(client-<i>.key)."),
-    port: Optional[int] = typer.Option(None, "--port", help="The SuperNode's local port (one per SuperNode on a "
-                                       "machine; Flower's default 9094)."),
+                                               "(client-<i>.key); needed unless --no-signing."),
+    no_signing: bool = typer.Option(False, "--no-signing", help="Send unsigned updates (a server started with "
+                                    "--no-signing only); prints a warning."),
+    no_supernode_auth: bool = typer.Option(False, "--no-supernode-auth", help="Connect without a SuperNode "
+                                           "authentication key (a server started with --no-supernode-auth "
+                                           "only); prints a warning."),
+    port: Optional[int] = typer.Option(None, "--port", help="The SuperNode's local port on 127.0.0.1 (default: a "
+                                       "free one, so that several SuperNodes on one machine never share it)."),
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda or mps (overrides train.device)."),
     privacy_state_dir: Optional[Path] = typer.Option(None, "--privacy-state-dir",
                                                      help="Where this device keeps its DP accountant (default: "
@@ -126,7 +137,8 @@ def client(
                               "once; a forked process per task) instead of a new flwr-clientapp per message."),
 ) -> None:
     """Run this device's SuperNode (flower-supernode with the fedasync ClientApp and a warm trainer)."""
-    from fedasync.deploy.processes import child_env, parse_address, supernode_command
+    from fedasync.deploy.processes import (SUPERNODE_HOST, check_port_free, child_env, free_local_port,
+                                           parse_address, supernode_command)
 
     try:
         parse_address(superlink)
@@ -142,6 +154,16 @@ def client(
         fail("--root-certificates: needed for TLS (or --insecure for a test on one machine)")
     if insecure and auth_key is not None:
         fail("--auth-key: SuperNode authentication needs TLS (drop --insecure, give --root-certificates)")
+    if no_signing and signing_key is not None:
+        fail("--no-signing and --signing-key exclude each other")
+    if no_supernode_auth and auth_key is not None:
+        fail("--no-supernode-auth and --auth-key exclude each other")
+    if auth_key is None and not no_supernode_auth:  # secure by default
+        fail("--auth-key: SuperNode authentication is on by default: pass --auth-key supernode-<i>.key "
+             "(from `fedasync keys gen`; needs TLS), or --no-supernode-auth")
+    if signing_key is None and not no_signing:
+        fail("--signing-key: updates are signed by default: pass --signing-key client-<i>.key "
+             "(from `fedasync keys gen`), or --no-signing")
     for opt, p in (("--data", data), ("--root-certificates", root_certificates), ("--auth-key", auth_key),
                    ("--signing-key", signing_key)):
         if p is not None and not p.is_file():
@@ -171,12 +193,25 @@ def client(
     if max_wait_time is not None and not 0 < max_wait_time < float("inf"):
         fail(f"--max-wait-time: {max_wait_time:g} is not a number of seconds > 0")
     try:
+        if port is None:  # each SuperNode on this machine its own local port
+            port = free_local_port()
+        else:  # in use: one line now, not a traceback from Flower once it has started
+            try:
+                check_port_free(SUPERNODE_HOST, port)
+            except DeployError as e:
+                raise DeployError(f"{e} (another SuperNode?): give another --port, or none for a free one") from None
         cmd = supernode_command(superlink, partition_id, num_partitions, data, root_certificates, insecure, auth_key,
                                 signing_key, port, device, privacy_state_dir, max_wait_time, poll_interval, warm)
     except DeployError as e:
         fail(str(e), e.code)
+    if no_signing:
+        err_console.print("warning: --no-signing: this device's updates are unsigned; a server that signs "
+                          "(its default) rejects them", highlight=False, markup=False)
+    if no_supernode_auth:
+        err_console.print("warning: --no-supernode-auth: this SuperNode does not authenticate; a SuperLink with "
+                          "node authentication (the default) refuses it", highlight=False, markup=False)
     err_console.print(f"fedasync client {partition_id}/{num_partitions}: starting flower-supernode "
-                      f"(SuperLink {superlink}, poll every {poll_interval:g} s, "
+                      f"(SuperLink {superlink}, local port {port}, poll every {poll_interval:g} s, "
                       f"{'warm trainer' if warm else 'a flwr-clientapp process per message'}; "
                       f"DP accountants in {privacy_state_dir})", highlight=False, markup=False)
     sys.stdout.flush()
@@ -205,8 +240,14 @@ def server(
     root_certificates: Optional[Path] = typer.Option(None, "--root-certificates",
                                                      help="With --superlink: the CA to verify it."),
     insecure: bool = typer.Option(False, "--insecure", help="Plain HTTP, no TLS (tests on one machine only)."),
-    supernode_auth: Optional[Path] = typer.Option(None, "--supernode-auth", help="Directory of supernode-<i>.pub: "
-                                                  "turn SuperNode authentication on and register these keys."),
+    supernode_auth: Optional[Path] = typer.Option(None, "--supernode-auth", help="Directory of supernode-<i>.pub "
+                                                  "to register (SuperNode authentication, on by default: needed "
+                                                  "unless --no-supernode-auth)."),
+    no_supernode_auth: bool = typer.Option(False, "--no-supernode-auth", help="Let any SuperNode that reaches the "
+                                           "SuperLink join (no node authentication); prints a warning."),
+    no_signing: bool = typer.Option(False, "--no-signing", help="Accept unsigned updates (update signing is on by "
+                                    "default: deploy.public_keys names the client-<i>.pub directory); prints a "
+                                    "warning."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="More logging."),
 ) -> None:
     """Run the asynchronous server on a SuperLink, for SuperNodes started with `fedasync client`."""
@@ -240,12 +281,27 @@ def server(
             parse_address(superlink)
         else:
             check_port_free(host, port)  # another SuperLink there would get our run
-        public_keys, missing = client_public_keys(cfg)
-        auth_keys = supernode_auth_keys(supernode_auth) if supernode_auth is not None else {}
         check_out_dir(out, resume)
     except DeployError as e:
         fail(str(e), e.code)
     check_store_or_exit(cfg.store.url, "store.url")
+    try:  # secure by default: node authentication and signing each need their keys or an explicit --no-*
+        if no_supernode_auth and supernode_auth is not None:
+            raise DeployError("--no-supernode-auth and --supernode-auth exclude each other")
+        if supernode_auth is None and not no_supernode_auth:
+            raise DeployError("--supernode-auth: SuperNode authentication is on by default: pass --supernode-auth "
+                              "DIR (the supernode-<i>.pub of `fedasync keys gen`; needs TLS), or --no-supernode-auth")
+        auth_keys = supernode_auth_keys(supernode_auth) if supernode_auth is not None else {}
+        cfg.deploy.signing = not no_signing  # what the ServerApp reads; deploy.signing in the YAML does not count
+        public_keys, missing = client_public_keys(cfg)
+    except DeployError as e:
+        fail(str(e), e.code)
+    if no_supernode_auth:
+        err_console.print("warning: --no-supernode-auth: any SuperNode that reaches the SuperLink can join and "
+                          "claim any partition id", highlight=False, markup=False)
+    if no_signing:
+        err_console.print("warning: --no-signing: updates are not signed; any node serving a client id is "
+                          "believed", highlight=False, markup=False)
     if missing:
         err_console.print(f"warning: no public key for client(s) {missing[:10]}: their updates will be "
                           "rejected as unknown_client", highlight=False, markup=False)

@@ -24,7 +24,9 @@ trainer itself dies, its task process carries on (it watches the SuperNode, not 
 and ``fedasync client`` starts a new trainer. Nothing here touches a GPU before the fork (CUDA
 does not survive one): a task on ``cuda``/``mps`` builds its model in its own process.
 
-Run as ``python -m fedasync.clients.warm --runtime-api-address 127.0.0.1:9094 --parent-pid PID``.
+Run as ``python -m fedasync.clients.warm --runtime-api-address 127.0.0.1:PORT --parent-pid PID``:
+with ``--parent-pid`` it first waits until that process (its SuperNode) listens on PORT, and exits
+(status 3) instead of serving a Runtime API another process holds there (Linux: /proc).
 """
 
 from __future__ import annotations
@@ -88,8 +90,51 @@ def _client(address: str, token: str | None = None, component: str = "SuperExec"
                                                  retry_invoker=make_simple_http_retry_invoker())
 
 
+def _listening_inodes(port: int) -> set[int] | None:
+    """Socket inodes of the TCP listeners on ``port`` (any local address), from /proc/net/tcp and
+    tcp6; None where there is no /proc to read (not Linux)."""
+    found, read = set(), False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        read = True
+        for line in lines:
+            cols = line.split()
+            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                found.add(int(cols[9]))
+    return found if read else None
+
+
+def runtime_api_owner(port: int, pid: int) -> str:
+    """Who listens on TCP ``port`` (the SuperNode's Runtime API): ``"parent"`` (only process
+    ``pid``), ``"other"`` (a socket there is not ``pid``'s: another SuperNode), ``"none"``
+    (nothing yet) or ``"unknown"`` (no /proc to tell)."""
+    inodes = _listening_inodes(port)
+    if inodes is None:
+        return "unknown"
+    if not inodes:
+        return "none"
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return "unknown" if not os.path.isdir("/proc/self/fd") else "other"
+    own = set()
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            own.add(int(link[8:-1]))
+    return "parent" if inodes <= own else "other"
+
+
 class WarmTrainer:
-    """One device's trainer: acquires the SuperNode's tasks and runs each in a forked process."""
+    """One device's trainer: acquires the SuperNode's tasks and runs each in a forked process.
+    Given its SuperNode's pid, it serves only a Runtime API that this process listens on."""
 
     def __init__(self, address: str, supernode_pid: int | None = None, poll_interval: float = 0.1):
         self.address = address
@@ -114,10 +159,34 @@ class WarmTrainer:
             _say(f"warm: torch and the task code loaded in {time.monotonic() - self.t0:.1f} s")
         return True
 
+    def wait_for_parent(self) -> bool:
+        """Wait (preloading meanwhile) until the SuperNode that started this trainer listens on
+        the Runtime API port it was given; False if another process listens there (two
+        SuperNodes given one port: the other's tasks are not this device's to run)."""
+        if self.supernode_pid is None:
+            return True
+        port = int(self.address.rsplit(":", 1)[1])
+        while True:
+            owner = runtime_api_owner(port, self.supernode_pid)
+            if owner == "parent":
+                return True
+            if owner == "unknown":
+                _say(f"cannot tell who listens on port {port} (no /proc): trusting it is SuperNode "
+                     f"{self.supernode_pid}")
+                return True
+            if owner == "other":
+                _say(f"port {port} is another process's, not this SuperNode's (pid {self.supernode_pid}): "
+                     "not serving it")
+                return False
+            if not self.preload_step():
+                time.sleep(0.1)
+
     def serve(self) -> None:
         from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=E0611
         from flwr.supercore.constant import TaskType
 
+        if not self.wait_for_parent():
+            raise SystemExit(3)
         client = _client(self.address)
         req = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP])
         _say(f"ClientApp loaded; polling the SuperNode at {self.address}")

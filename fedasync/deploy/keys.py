@@ -68,14 +68,17 @@ def generate_keys(out: Path, ids: range, supernode_auth: bool) -> list[str]:
 
 
 def client_public_keys(cfg: Config) -> tuple[dict[int, bytes], list[int]]:
-    """``deploy.signing``: each client's raw Ed25519 public key from ``deploy.public_keys`` and the
-    clients without one (their updates are rejected ``unknown_client``); ({}, []) when off."""
+    """``deploy.signing`` (which ``fedasync server`` sets: on unless ``--no-signing``): each client's
+    raw Ed25519 public key from ``deploy.public_keys`` and the clients without one (their updates
+    are rejected ``unknown_client``); ({}, []) when off. The config's ``deploy.public_keys`` is the
+    one way the server learns them."""
     if not cfg.deploy.signing:
         return {}, []
     from fedasync.signing import SigningKeyError, load_public_keys, public_raw
 
     if not cfg.deploy.public_keys:
-        raise DeployError("deploy.public_keys: needed when deploy.signing is true (a directory of client-<i>.pub)")
+        raise DeployError("deploy.public_keys: updates are signed by default: set deploy.public_keys to the "
+                          "directory of client-<i>.pub (from `fedasync keys gen`), or pass --no-signing")
     try:
         keys = {c: public_raw(k) for c, k in load_public_keys(cfg.deploy.public_keys).items()}
     except SigningKeyError as e:

@@ -77,6 +77,17 @@ def check_port_free(host: str, port: int) -> None:
                     raise DeployError(f"--port: {host}:{port} is in use") from None
 
 
+SUPERNODE_HOST = "127.0.0.1"  # where flower-supernode serves its local Runtime API (Flower's default --host)
+
+
+def free_local_port(host: str = SUPERNODE_HOST) -> int:
+    """A TCP port nothing is bound to on ``host`` now, chosen by the OS (a bind to port 0): the
+    local port of a SuperNode started without ``--port``, so that several on one host differ."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None) -> bool:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:

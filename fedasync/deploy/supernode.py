@@ -10,7 +10,9 @@ runs Flower's ``flower-supernode`` in this process with two changes:
   two values, and its ``pull_objects`` retries after 0.05 s instead of 1 s; everything else is
   Flower's.
 - **warm trainer** (unless ``--no-warm``): the SuperNode runs with ``--isolation process`` and
-  a watchdog thread keeps one :mod:`fedasync.clients.warm` trainer running next to it; the first
+  a watchdog thread keeps one :mod:`fedasync.clients.warm` trainer running next to it, told this
+  SuperNode's Runtime API port (``--port``, which ``fedasync client`` always passes) and pid: it
+  serves that port only once this process listens there; the first
   is forked from this process once Flower is imported (before any thread starts), a trainer that
   dies is started again as ``python -m fedasync.clients.warm`` after a growing pause; the
   trainer exits when the SuperNode does.
@@ -162,7 +164,14 @@ def main(argv: list[str] | None = None) -> None:
         TrainerWatchdog(runtime_port(flower_args)).start()
 
     sys.argv = ["flower-supernode", *flower_args]
-    flower_supernode()
+    try:
+        flower_supernode()
+    except RuntimeError as e:  # another process took the port after `fedasync client` checked it
+        if "Runtime HTTP API failed to start" not in str(e):
+            raise
+        print(f"fedasync client: error: --port: 127.0.0.1:{runtime_port(flower_args)} is in use (another "
+              "SuperNode?): give another --port, or none for a free one", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
