@@ -231,7 +231,9 @@ def server(
     set_: list[str] = typer.Option([], "--set", help="Override a key: --set server.max_versions=50 (repeatable)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address the SuperLink listens on (0.0.0.0: every "
                              "interface, for devices on the network)."),
-    port: int = typer.Option(9092, "--port", help="The SuperLink's port (Fleet, Control and Runtime APIs)."),
+    port: int = typer.Option(9092, "--port", help="The SuperLink's public port: SuperNodes (Fleet API) only."),
+    control_port: int = typer.Option(0, "--control-port", help="Port of the SuperLink's Control and Runtime APIs, "
+                                     "on 127.0.0.1 only (0: a free port)."),
     certs: Optional[Path] = typer.Option(None, "--certs", help="Directory from `fedasync certs gen` (ca.crt, "
                                          "server.pem, server.key)."),
     ssl_certfile: Optional[Path] = typer.Option(None, "--ssl-certfile", help="The SuperLink's TLS certificate."),
@@ -255,7 +257,7 @@ def server(
                                      load_or_exit, progress_bars, summary_table)
     from fedasync.deploy.keys import client_public_keys, supernode_auth_keys
     from fedasync.deploy.processes import check_port_free, parse_address
-    from fedasync.deploy.run import ServerRun, check_out_dir, resolve_tls
+    from fedasync.deploy.run import ServerRun, check_control_port, check_out_dir, resolve_tls
     from fedasync.runs import RunError, resume_config
 
     if config is None and resume is None:
@@ -279,8 +281,12 @@ def server(
             raise DeployError(f"--port: {port} is not a port")
         if superlink is not None:
             parse_address(superlink)
+            if control_port:
+                raise DeployError("--control-port: only for the SuperLink fedasync starts (not with --superlink)")
         else:
             check_port_free(host, port)  # another SuperLink there would get our run
+            if control_port:
+                check_control_port(control_port, port)
         check_out_dir(out, resume)
     except DeployError as e:
         fail(str(e), e.code)
@@ -307,7 +313,7 @@ def server(
                           "rejected as unknown_client", highlight=False, markup=False)
     try:  # paths and messages are printed as they are, never read as rich markup
         run = ServerRun(cfg, out, resume=resume, host=host, port=port, superlink=superlink, tls=tls,
-                        auth_keys=auth_keys, public_keys=public_keys, verbose=verbose,
+                        auth_keys=auth_keys, public_keys=public_keys, verbose=verbose, control_port=control_port,
                         say=lambda m: console.print(m, markup=False),
                         warn=lambda m: err_console.print(m, highlight=False, markup=False))
     except DeployError as e:

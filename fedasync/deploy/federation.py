@@ -1,5 +1,6 @@
-"""The Flower side of ``fedasync server``: a SuperLink (ours or given), the flwr CLI and Flower's
-Control API (register SuperNode keys, submit the app, ask a run's status, stop it), the
+"""The Flower side of ``fedasync server``: a SuperLink (ours, :mod:`fedasync.deploy.superlink`, or
+given), the flwr CLI and Flower's Control API (register SuperNode keys, submit the app, ask a
+run's status, stop it; on our SuperLink through its loopback control listener), the
 generated app submitted (a ``pyproject.toml`` only: the SuperLink and SuperNodes run the
 installed ``fedasync``), and the run's progress as the store shows it.
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -52,18 +55,29 @@ job = ""
 class Federation:
     """The Flower side of ``fedasync server``: a SuperLink (ours or given) and the flwr CLI."""
 
-    def __init__(self, home: Path, address: str, ca: Optional[Path], insecure: bool, verbose: bool = False):
+    def __init__(self, home: Path, address: str, ca: Optional[Path], insecure: bool, verbose: bool = False,
+                 control_port: int = 0):
+        """``address``: where the flwr CLI and the Control API client connect (for our SuperLink,
+        :meth:`start_superlink` moves it to the control listener); ``control_port``: the port our
+        SuperLink's control listener takes on 127.0.0.1 (0: a free one)."""
         self.home = home
-        self.address = address
         self.cli_home = home / "cli"
         self.cli_home.mkdir(parents=True, exist_ok=True)
-        lines = ['[superlink]', 'default = "fedasync"', '', '[superlink.fedasync]', f'address = "{address}"']
-        lines.append("insecure = true" if insecure else f'root-certificates = "{ca.resolve()}"')
-        (self.cli_home / "config.toml").write_text("\n".join(lines) + "\n")
+        self.ca, self.insecure, self.control_port = ca, insecure, control_port
+        self.control_port_file = home / "superlink-control-port"  # our SuperLink writes its control port here
+        self.use_address(address)
         self.proc: subprocess.Popen | None = None
         self.log_path: Path | None = None
         self.verbose = verbose
         self._client = None  # Flower's Control API client, in this process (each flwr CLI call costs seconds)
+
+    def use_address(self, address: str) -> None:
+        """Connect the flwr CLI and the Control API client to ``address`` from now on."""
+        self.address = address
+        lines = ['[superlink]', 'default = "fedasync"', '', '[superlink.fedasync]', f'address = "{address}"']
+        lines.append("insecure = true" if self.insecure else f'root-certificates = "{self.ca.resolve()}"')
+        (self.cli_home / "config.toml").write_text("\n".join(lines) + "\n")
+        self._client = None
 
     def control(self):
         """Flower's Control API client for our connection (its internals; None if they moved)."""
@@ -86,7 +100,13 @@ class Federation:
 
     def start_superlink(self, host: str, port: int, certs: Optional[tuple[Path, Path, Path]], auth: bool,
                         log_path: Path) -> None:
-        cmd = [exe("flower-superlink"), "--host", host, "--port", str(port), "--disable-runtime-dependency-installation"]
+        """Start our SuperLink (:mod:`fedasync.deploy.superlink`: Flower's, its public ``host:port``
+        serving SuperNodes only, its Control and Runtime APIs on a loopback listener at
+        ``control_port``); :meth:`wait_control` then says where that listener is."""
+        self.control_port_file.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "fedasync.deploy.superlink", "--control-port", str(self.control_port),
+               "--control-port-file", str(self.control_port_file.resolve()), "--",
+               "--host", host, "--port", str(port), "--disable-runtime-dependency-installation"]
         if certs is None:
             cmd.append("--insecure")
         else:
@@ -103,6 +123,20 @@ class Federation:
         self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                      start_new_session=True, preexec_fn=die_with_parent)
         logf.close()
+
+    def wait_control(self, timeout: float) -> int | None:
+        """The port of our SuperLink's control listener (127.0.0.1) once it has bound it; None if
+        the SuperLink exited first or ``timeout`` seconds passed."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            try:
+                return int(self.control_port_file.read_text())
+            except (OSError, ValueError):
+                pass
+            if self.proc is None or self.proc.poll() is not None:
+                return None
+            time.sleep(0.2)
+        return None
 
     def stop_superlink(self) -> None:
         if self.proc is not None:

@@ -1,5 +1,7 @@
-"""``fedasync server`` end to end, below the CLI: TLS settings, the run directory, our SuperLink,
-SuperNode key registration, submitting the deployment ServerApp, following it to the end.
+"""``fedasync server`` end to end, below the CLI: TLS settings, the run directory, our SuperLink
+(:mod:`fedasync.deploy.superlink`: its public port serves SuperNodes only; this module talks to its
+Control API on the loopback listener), SuperNode key registration, submitting the deployment
+ServerApp, following it to the end.
 
 The ServerApp (``fedasync.server.app:deploy_app``) runs in a ``flwr-serverapp`` process of the
 SuperLink and writes the run directory itself (``summary.json``, ``history.csv``,
@@ -23,6 +25,7 @@ from fedasync.config import Config
 from fedasync.deploy import DeployError
 from fedasync.deploy.federation import APP_PYPROJECT, Federation, store_progress
 from fedasync.deploy.processes import check_port_free, parse_address, tail, wait_for_port
+from fedasync.deploy.superlink import CONTROL_HOST, names_loopback
 
 Say = Callable[[str], None]
 
@@ -63,6 +66,19 @@ def resolve_tls(superlink: Optional[str], certs: Optional[Path], ssl_certfile: O
     return TLS(insecure=insecure, certs=None if insecure else (ssl_ca_certfile, ssl_certfile, ssl_keyfile), ca=ca)
 
 
+def check_control_port(control_port: int, port: int) -> None:
+    """DeployError naming ``--control-port`` unless our SuperLink can take ``127.0.0.1:control_port``
+    for its control listener (a port, not the public ``port``, free)."""
+    if not 0 < control_port < 65536:
+        raise DeployError(f"--control-port: {control_port} is not a port")
+    if control_port == port:
+        raise DeployError(f"--control-port: {control_port} is the public --port; the control listener needs its own")
+    try:
+        check_port_free(CONTROL_HOST, control_port)
+    except DeployError:
+        raise DeployError(f"--control-port: {CONTROL_HOST}:{control_port} is in use") from None
+
+
 def check_out_dir(out: Optional[Path], resume: Optional[int]) -> None:
     """DeployError (one line naming ``--out``) when ``out`` cannot take the run
     (:func:`fedasync.outputs.out_dir_problem`)."""
@@ -78,8 +94,9 @@ class ServerRun:
 
     def __init__(self, cfg: Config, out: Optional[Path], *, resume: Optional[int], host: str, port: int,
                  superlink: Optional[str], tls: TLS, auth_keys: dict[int, Path], public_keys: dict[int, bytes],
-                 verbose: bool = False, say: Say = print, warn: Say = print):
-        """Creates the run directory (``out``, default ``runs/<name>-<time>/``)."""
+                 verbose: bool = False, say: Say = print, warn: Say = print, control_port: int = 0):
+        """Creates the run directory (``out``, default ``runs/<name>-<time>/``). ``control_port``:
+        our SuperLink's control listener on 127.0.0.1 (0: a free port)."""
         from fedasync.outputs import make_run_dir
 
         self.cfg, self.resume, self.host, self.port, self.superlink = cfg, resume, host, port, superlink
@@ -92,23 +109,32 @@ class ServerRun:
         (self.out / "server-status.json").unlink(missing_ok=True)
         self.home = Path(os.environ["FLWR_HOME"]) if os.environ.get("FLWR_HOME") else self.out / "flwr"
         self.home.mkdir(parents=True, exist_ok=True)
-        self.connect = superlink or f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-        self.fed = Federation(self.home, self.connect, tls.ca, tls.insecure, verbose)
+        # our SuperLink's Control API is on a loopback listener (:meth:`start` moves the address there)
+        self.connect = superlink or f"{CONTROL_HOST}:{port}"
+        self.fed = Federation(self.home, self.connect, tls.ca, tls.insecure, verbose, control_port)
         self.flower_run: int | None = None
 
     def start(self) -> None:
         """Our SuperLink (unless ``superlink`` was given), the SuperNode keys, the ServerApp."""
-        chost, cport = parse_address(self.connect)
         out, fed = self.out, self.fed
         if self.superlink is None:
             check_port_free(self.host, self.port)  # else another SuperLink would get our run
+            if self.tls.certs is not None and not names_loopback(self.tls.certs[1]):
+                raise DeployError(f"--ssl-certfile: {self.tls.certs[1]} does not name {CONTROL_HOST}, where the "
+                                  "SuperLink's control listener is (`fedasync certs gen` adds it)")
             fed.start_superlink(self.host, self.port, self.tls.certs, bool(self.auth_keys), out / "superlink.log")
             # the port answering is not enough: it may be someone else's; ours must still run
-            if not wait_for_port(chost, cport, 60, fed.proc) or fed.proc.poll() is not None:
+            control = fed.wait_control(60)
+            if control is not None:
+                fed.use_address(f"{CONTROL_HOST}:{control}")  # Control API: the loopback listener only
+            chost, cport = parse_address(fed.address)
+            if (control is None or not wait_for_port(chost, cport, 60, fed.proc)
+                    or fed.proc.poll() is not None):
                 raise DeployError(f"the SuperLink did not start (see {out / 'superlink.log'}):\n"
                                   f"{tail(out / 'superlink.log')}", 1)
             self.say(f"SuperLink on {self.host}:{self.port} ({'insecure' if self.tls.insecure else 'TLS'}"
-                     f"{', SuperNode authentication' if self.auth_keys else ''}); log {out / 'superlink.log'}")
+                     f"{', SuperNode authentication' if self.auth_keys else ''}; SuperNodes only), "
+                     f"control listener {fed.address}; log {out / 'superlink.log'}")
         registered: dict[int, int] = {}
         for c, pub in self.auth_keys.items():
             try:
