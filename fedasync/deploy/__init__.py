@@ -7,6 +7,8 @@
 - ``federation.py``: the Flower side of a run: our SuperLink, the flwr CLI / Control API, the
   generated app, the store's progress.
 - ``run.py``: ``fedasync server`` end to end: TLS settings, the run directory, submit, follow.
+- ``superlink.py``: our SuperLink (``python -m fedasync.deploy.superlink``): Flower's, its public
+  port serving SuperNodes only, its Control and Runtime APIs on a 127.0.0.1 listener.
 - ``supernode.py``: one device's SuperNode (``fedasync client``): Flower's ``flower-supernode``
   with a shorter poll and a watchdog that keeps the warm trainer (``fedasync.clients.warm``) running.
 
