@@ -1,5 +1,9 @@
 """What a run writes to its directory: summary.json, history.csv, accuracy.png, participation.png,
-config.yaml; and for ``--compare``: comparison.json and comparison.png."""
+config.yaml; and for ``--compare``: comparison.json and comparison.png.
+
+A run directory is 0700 and every file written here 0600 (:mod:`fedasync.private`):
+``config.yaml`` holds the store URL, password included. The store URL in ``summary.json`` and
+``comparison.json`` is shown with its password masked."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from fedasync.config import Config
+from fedasync.private import PRIVATE_DIR, mask_url, open_private, private_dir, write_private
 
 
 def file_in_the_way(out: Path) -> Path | None:
@@ -43,13 +48,12 @@ def out_dir_problem(out: Path | None, resume: int | None) -> str | None:
 
 
 def make_run_dir(out: Path | None, name: str) -> Path:
-    """``out`` created (or a new ``runs/<name>-<time>``); ValueError naming ``--out`` when it
+    """``out`` created 0700 (or a new ``runs/<name>-<time>``); ValueError naming ``--out`` when it
     cannot be (a file on the way, no permission)."""
     try:
         if out is None:
             out = new_run_dir(Path("runs"), name)
-        out.mkdir(parents=True, exist_ok=True)
-        return out
+        return private_dir(out)
     except OSError as e:
         where = out if out is not None else "runs (the default)"
         raise ValueError(f"--out: {where}: cannot create the directory ({e.strerror or e})") from None
@@ -69,14 +73,15 @@ def remove_if_empty(out: Path) -> bool:
 
 
 def new_run_dir(root: Path, name: str) -> Path:
+    """A new directory ``root/<name>-<time>[-n]``, 0700."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = root / f"{name}-{stamp}"
     n = 1
     while out.exists():
         n += 1
         out = root / f"{name}-{stamp}-{n}"
-    out.mkdir(parents=True)
-    return out
+    out.mkdir(mode=PRIVATE_DIR, parents=True)
+    return private_dir(out)
 
 
 def _plot(series: dict[str, list[dict]], path: Path, target: float | None, title: str) -> None:
@@ -96,7 +101,8 @@ def _plot(series: dict[str, list[dict]], path: Path, target: float | None, title
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(path)
+    with open_private(path, "wb") as f:
+        fig.savefig(f, format="png")
     plt.close(fig)
 
 
@@ -116,7 +122,8 @@ def plot_participation(part: dict, path: Path, title: str) -> None:
     ax.set_title(f"{title}: Jain's index {part['jain']:.3f}, never scheduled {part['never']:.0%}")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
+    with open_private(path, "wb") as f:
+        fig.savefig(f, format="png")
     plt.close(fig)
 
 
@@ -133,16 +140,23 @@ def strict_json(obj: Any) -> Any:
     return obj
 
 
+def masked_summary(summary: dict) -> dict:
+    """``summary`` as it is written or shown: its ``store_url`` with the password masked."""
+    return {**summary, "store_url": mask_url(summary["store_url"])} if summary.get("store_url") else summary
+
+
 def write_run_outputs(out: Path, cfg: Config, summary: dict) -> dict[str, Path]:
-    out.mkdir(parents=True, exist_ok=True)
+    """The run's files in ``out`` (created 0700), each 0600; ``summary.json``'s store URL masked."""
+    private_dir(out)
     paths = {
         "summary": out / "summary.json",
         "history": out / "history.csv",
         "plot": out / "accuracy.png",
         "config": out / "config.yaml",
     }
-    paths["summary"].write_text(json.dumps(strict_json(summary), indent=2, allow_nan=False) + "\n")
-    with paths["history"].open("w", newline="") as f:
+    text = json.dumps(strict_json(masked_summary(summary)), indent=2, allow_nan=False) + "\n"
+    write_private(paths["summary"], text)
+    with open_private(paths["history"], "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["version", "virtual_time_s", "accuracy", "loss"])
         w.writeheader()
         for row in summary["history"]:
@@ -153,7 +167,7 @@ def write_run_outputs(out: Path, cfg: Config, summary: dict) -> dict[str, Path]:
         paths["participation"] = out / "participation.png"
         plot_participation(summary["participation"], paths["participation"],
                            f"{summary['strategy']}, {summary['participation'].get('scheduler', '')}")
-    paths["config"].write_text(cfg.to_yaml())
+    write_private(paths["config"], cfg.to_yaml())  # the whole config, store URL included: 0600
     return paths
 
 
@@ -169,9 +183,9 @@ def comparison(summaries: dict[str, dict]) -> dict:
 
 
 def write_comparison(out: Path, summaries: dict[str, dict], target: float | None) -> dict[str, Path]:
-    data = comparison(summaries)
+    data = comparison({n: masked_summary(s) for n, s in summaries.items()})
     paths = {"comparison": out / "comparison.json", "plot": out / "comparison.png"}
-    paths["comparison"].write_text(json.dumps(strict_json(data), indent=2, allow_nan=False) + "\n")
+    write_private(paths["comparison"], json.dumps(strict_json(data), indent=2, allow_nan=False) + "\n")
     _plot({n: s["history"] for n, s in summaries.items()}, paths["plot"], target,
           "accuracy vs virtual time, same scenario")
     return paths

@@ -38,6 +38,7 @@ def resume_config(config: Optional[str], set_: list[str], out: Optional[Path], r
     experiment (:func:`fedasync.server.resume.check_resume_config`). RunError if it cannot."""
     import yaml
 
+    from fedasync.private import mask_url
     from fedasync.server.resume import check_resume_config
     from fedasync.store import default_sqlite_url
     from fedasync.store.opening import StoreOpenError, open_store
@@ -46,7 +47,7 @@ def resume_config(config: Optional[str], set_: list[str], out: Optional[Path], r
     if url is None:
         raise RunError("--resume: give --out DIR, the run's directory (it holds the store), or set store.url")
     if url.startswith("sqlite:///") and not Path(url[len("sqlite:///"):]).is_file():
-        raise RunError(f"--resume: no store at {url}")
+        raise RunError(f"--resume: no store at {mask_url(url)}")
     try:
         st = open_store(url, "store.url" if cfg.store.url else "--out")
     except StoreOpenError as e:
@@ -54,7 +55,7 @@ def resume_config(config: Optional[str], set_: list[str], out: Optional[Path], r
     try:
         run = st.get_run(run_id)
     except KeyError:
-        raise RunError(f"--resume: no run {run_id} in {url}") from None
+        raise RunError(f"--resume: no run {run_id} in {mask_url(url)}") from None
     finally:
         st.close()
     if run.mode != mode:
@@ -135,15 +136,27 @@ def run_configs(
     verbose: bool = False,
 ) -> dict[str, dict]:
     """Run each config in turn (one engine start for all) and write its outputs; the summaries
-    by label."""
+    by label. The run directories are 0700 and what the run creates (the store, its blobs, the
+    outputs) 0600: :func:`fedasync.private.private_umask` is held throughout."""
+    from fedasync.private import private_umask
+
+    with private_umask():
+        return _run_configs(configs, out_dirs, backend, progress, resume, verbose)
+
+
+def _run_configs(configs: list[tuple[str, Config]], out_dirs: dict[str, Path], backend: str,
+                 progress: ProgressFactory | None, resume: int | None, verbose: bool) -> dict[str, dict]:
     from fedasync.outputs import write_run_outputs
+    from fedasync.private import private_dir, private_sqlite
     from fedasync.server.loop import AsyncServer
     from fedasync.server.transport import LocalTransport
     from fedasync.store import Store, default_sqlite_url
 
     def make_store(label: str, cfg: Config) -> Store:
-        out_dirs[label].mkdir(parents=True, exist_ok=True)
-        return Store(cfg.store.url or default_sqlite_url(out_dirs[label]))
+        private_dir(out_dirs[label])
+        url = cfg.store.url or default_sqlite_url(out_dirs[label])
+        private_sqlite(url)
+        return Store(url)
 
     summaries: dict[str, dict] = {}
 

@@ -14,6 +14,7 @@ from rich.markup import escape
 from fedasync.cli.common import (RunProgress, check_store_or_exit, console, data_or_exit, fail, load_or_exit,
                                  progress_bars, quiet_flower, summary_table)
 from fedasync.config import Config, ConfigError, apply_overrides, config_from_dict
+from fedasync.private import mask_url
 from fedasync.runs import EngineError, RunError, ray_address_problem, resume_config, run_configs
 
 
@@ -124,7 +125,7 @@ def simulate(
         d = out_dirs[label]
         console.print(f"[bold]{escape(label)}[/bold]: " + escape(
             f"{d / 'summary.json'}, {d / 'history.csv'}, {d / 'accuracy.png'}, {d / 'participation.png'}, "
-            f"{d / 'config.yaml'}; store {s['store_url']}"))
+            f"{d / 'config.yaml'}; store {mask_url(s['store_url'])}"))
     for label, s in summaries.items():
         if s["stop_reason"] == "interrupted":
             console.print(escape(f"{label}: stopped; continue with --resume {s['run_id']} --out {out_dirs[label]}"))

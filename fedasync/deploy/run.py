@@ -9,10 +9,17 @@ SuperLink and writes the run directory itself (``summary.json``, ``history.csv``
 status file and the store. A first stop request asks the ServerApp to stop (the run's store
 status becomes ``stopping``; it is then marked ``stopped`` and ``--resume`` continues it); a
 second stops the Flower run at once.
+
+What travels to Flower is no secret: the run config submitted with ``flwr run`` (which the
+SuperLink hands every SuperNode, and Flower merges into each ClientApp's ``context.run_config``)
+holds only ``job = {"job_file": PATH, "sha256": HEX}``. The job itself (the whole config, store
+URL and password included, the run directory, the keys' registry) is ``<out>/server-job.json``,
+0600 in the 0700 run directory, read by the ServerApp process on this host (:data:`JOB_FILE`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -26,8 +33,12 @@ from fedasync.deploy import DeployError
 from fedasync.deploy.federation import APP_PYPROJECT, Federation, store_progress
 from fedasync.deploy.processes import check_port_free, parse_address, tail, wait_for_port
 from fedasync.deploy.superlink import CONTROL_HOST, names_loopback
+from fedasync.private import private_dir, private_umask, write_private
 
 Say = Callable[[str], None]
+
+#: the server-only job file in the run directory (0600): what the deployment ServerApp runs
+JOB_FILE = "server-job.json"
 
 
 @dataclass
@@ -95,7 +106,7 @@ class ServerRun:
     def __init__(self, cfg: Config, out: Optional[Path], *, resume: Optional[int], host: str, port: int,
                  superlink: Optional[str], tls: TLS, auth_keys: dict[int, Path], public_keys: dict[int, bytes],
                  verbose: bool = False, say: Say = print, warn: Say = print, control_port: int = 0):
-        """Creates the run directory (``out``, default ``runs/<name>-<time>/``). ``control_port``:
+        """Creates the run directory (``out``, default ``runs/<name>-<time>/``, 0700). ``control_port``:
         our SuperLink's control listener on 127.0.0.1 (0: a free port)."""
         from fedasync.outputs import make_run_dir
 
@@ -107,15 +118,27 @@ class ServerRun:
         except ValueError as e:
             raise DeployError(str(e)) from None
         (self.out / "server-status.json").unlink(missing_ok=True)
-        self.home = Path(os.environ["FLWR_HOME"]) if os.environ.get("FLWR_HOME") else self.out / "flwr"
-        self.home.mkdir(parents=True, exist_ok=True)
+        if os.environ.get("FLWR_HOME"):
+            self.home = Path(os.environ["FLWR_HOME"])
+            self.home.mkdir(parents=True, exist_ok=True)
+        else:
+            self.home = private_dir(self.out / "flwr")
+        from fedasync.store import default_sqlite_url
+
+        self.store_url = cfg.store.url or default_sqlite_url(self.out)  # as the ServerApp opens it
         # our SuperLink's Control API is on a loopback listener (:meth:`start` moves the address there)
         self.connect = superlink or f"{CONTROL_HOST}:{port}"
-        self.fed = Federation(self.home, self.connect, tls.ca, tls.insecure, verbose, control_port)
+        with private_umask():  # the flwr CLI's config, in the run directory
+            self.fed = Federation(self.home, self.connect, tls.ca, tls.insecure, verbose, control_port)
         self.flower_run: int | None = None
 
     def start(self) -> None:
-        """Our SuperLink (unless ``superlink`` was given), the SuperNode keys, the ServerApp."""
+        """Our SuperLink (unless ``superlink`` was given), the SuperNode keys, the ServerApp. The
+        SuperLink and the ServerApp processes it starts create their files private (umask 077)."""
+        with private_umask():
+            self._start()
+
+    def _start(self) -> None:
         out, fed = self.out, self.fed
         if self.superlink is None:
             check_port_free(self.host, self.port)  # else another SuperLink would get our run
@@ -154,6 +177,7 @@ class ServerRun:
         self.say(f"submitted the fedasync ServerApp: Flower run {self.flower_run}; run directory {out}")
 
     def _submit(self, registered: dict[int, int]) -> int:
+        """Write the job file and the run config that names it, build the app, ``flwr run`` it."""
         import tomli_w
 
         from fedasync import __version__ as fv
@@ -161,12 +185,15 @@ class ServerRun:
         job = {"config_yaml": self.cfg.to_yaml(), "out": str(self.out), "resume": self.resume,
                "public_keys": {str(c): k.hex() for c, k in self.public_keys.items()},
                "registered": {str(c): n for c, n in registered.items()}}
-        app_dir = self.home / "fedasync-deploy"
+        raw = json.dumps(job).encode()
+        job_file = write_private(self.out / JOB_FILE, raw)
+        app_dir = self.home / "fedasync-deploy"  # what Flower packs into the app every SuperNode fetches
         app_dir.mkdir(parents=True, exist_ok=True)
         (app_dir / "pyproject.toml").write_text(APP_PYPROJECT.format(version=fv if re.fullmatch(r"\d+\.\d+\.\d+", fv)
                                                                      else "0.1.0"))
         rc = self.home / "run-config.toml"
-        rc.write_text(tomli_w.dumps({"job": json.dumps(job)}))
+        write_private(rc, tomli_w.dumps({"job": json.dumps({"job_file": str(job_file),
+                                                            "sha256": hashlib.sha256(raw).hexdigest()})}))
         try:
             return self.fed.submit(app_dir, rc)
         except RuntimeError as e:
@@ -203,7 +230,7 @@ class ServerRun:
                 return None
             if st.get("run_id") is not None and store is None:
                 run_id = int(st["run_id"])
-                store = Store(st["store_url"], create=False)
+                store = Store(self.store_url, create=False)  # the status file shows it masked
             if store is not None:
                 if stop_asked() > asked:
                     asked = stop_asked()
@@ -242,6 +269,26 @@ class ServerRun:
                              + (f"; continue with --resume {run_id}" if run_id is not None else ""))
                         return None
             time.sleep(1.0)
+
+
+def read_job(ref: str) -> dict:
+    """The job that run config ``job`` (``{"job_file": PATH, "sha256": HEX}``, written by
+    :meth:`ServerRun._submit`) names: the file's JSON, once its sha256 is the one submitted.
+    RuntimeError (one line) otherwise. The deployment ServerApp calls it."""
+    if not ref:
+        raise RuntimeError("run config `job` is empty: start deployments with `fedasync server`")
+    try:
+        named = json.loads(ref)
+        path, digest = Path(named["job_file"]), str(named["sha256"])
+    except (ValueError, TypeError, KeyError):
+        raise RuntimeError("run config `job` names no job file: start deployments with `fedasync server`") from None
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise RuntimeError(f"run config `job`: cannot read {path}: {e.strerror or e}") from None
+    if hashlib.sha256(raw).hexdigest() != digest:
+        raise RuntimeError(f"run config `job`: {path} is not the job that was submitted (sha256 differs)")
+    return json.loads(raw)
 
 
 def already_registered(error: str) -> bool:

@@ -9,9 +9,10 @@ never calls ``send_and_receive`` and never waits for a round.
 strategies can share one start of the simulation engine.
 
 ``deploy_app`` is the ServerApp of a real federation (``fedasync server`` submits it to a
-SuperLink with ``flwr run``; its run config ``job`` is a JSON job written by that command). It
-runs the loop under the **wall clock** over a :class:`DeployTransport`, which learns which
-SuperNode is which client with a ``query`` message (the *hello*, see below).
+SuperLink with ``flwr run``; its run config ``job`` names the job file that command wrote in the
+run directory, 0600, and its sha256: the run config reaches every SuperNode, the job holds the
+store URL). It runs the loop under the **wall clock** over a :class:`DeployTransport`, which
+learns which SuperNode is which client with a ``query`` message (the *hello*, see below).
 
 Node <-> client mapping (deployment). Flower's Grid names nodes by id only, so the server asks
 every new node ``query`` (group ``fedasync-hello``); the ClientApp answers from its node config:
@@ -382,6 +383,7 @@ def main(grid: Grid, context: Context) -> None:
     """``flwr run .``: run config keys ``config`` (YAML path) and ``overrides`` ("a.b=1;c=2")."""
     from fedasync.store import Store, default_sqlite_url
     from fedasync.outputs import new_run_dir, write_run_outputs
+    from fedasync.private import private_sqlite, private_umask
 
     rc = context.run_config
     path = str(rc.get("config", "")) or None
@@ -390,7 +392,9 @@ def main(grid: Grid, context: Context) -> None:
     out = new_run_dir(Path("runs"), cfg.name)
 
     def make_store(label: str, c: Config):
-        return Store(c.store.url or default_sqlite_url(out))
+        url = c.store.url or default_sqlite_url(out)
+        private_sqlite(url)
+        return Store(url)
 
     # the federation's size is Flower's config (options.num-supernodes), not ours: without
     # simulation.num_supernodes, take the nodes that connect (no new one for 2 s)
@@ -398,7 +402,8 @@ def main(grid: Grid, context: Context) -> None:
     job = Job(configs=[(cfg.server.strategy, cfg)], make_store=make_store,
               on_result=lambda label, c, s: write_run_outputs(out, c, s),
               expected_nodes=min(cfg.data.num_clients, n or 1), settle_s=0.0 if n else 2.0)
-    run_job(job, grid)
+    with private_umask():  # the run directory (0700) and what the run creates in it (0600)
+        run_job(job, grid)
     if job.error is not None:
         raise job.error
     log.info("fedasync: wrote %s", out)
@@ -411,16 +416,21 @@ deploy_app = ServerApp()
 
 @deploy_app.main()
 def deploy_main(grid: Grid, context: Context) -> None:
-    """Run config ``job``: the JSON job that ``fedasync server`` wrote (see :func:`run_deployment`)."""
-    raw = str(context.run_config.get("job", ""))
-    if not raw:
-        raise RuntimeError("run config `job` is empty: start deployments with `fedasync server`")
-    run_deployment(grid, json.loads(raw))
+    """Run config ``job``: ``{"job_file": PATH, "sha256": HEX}``, the job ``fedasync server``
+    wrote (:func:`fedasync.deploy.run.read_job`, :func:`run_deployment`)."""
+    from fedasync.deploy.run import read_job
+
+    run_deployment(grid, read_job(str(context.run_config.get("job", ""))))
 
 
 def _write_status(out: Path, **status: Any) -> None:
-    tmp = out / "server-status.json.tmp"
-    tmp.write_text(json.dumps({"pid": os.getpid(), "time": time.time(), **status}, indent=2) + "\n")
+    """``server-status.json`` (0600), its ``store_url`` with the password masked."""
+    from fedasync.private import mask_url, write_private
+
+    if status.get("store_url"):
+        status["store_url"] = mask_url(status["store_url"])
+    tmp = write_private(out / "server-status.json.tmp",
+                        json.dumps({"pid": os.getpid(), "time": time.time(), **status}, indent=2) + "\n")
     tmp.replace(out / "server-status.json")
 
 
@@ -429,16 +439,25 @@ def run_deployment(grid: Grid, job: dict) -> dict:
     (run directory), ``resume`` (run id or null), ``public_keys`` ({client id: raw key hex}),
     ``registered`` ({client id: node id} from SuperNode-auth registration).
 
-    Writes ``server-status.json`` (state starting|running|done|failed, run id, store URL) for
-    ``fedasync server`` to follow, and at the end the same files as ``simulate``."""
+    Writes ``server-status.json`` (state starting|running|done|failed, run id, store URL with its
+    password masked) for ``fedasync server`` to follow, and at the end the same files as
+    ``simulate``. The run directory is 0700 and everything created in it 0600 (umask 077 held)."""
+    from fedasync.private import private_umask
+
+    with private_umask():
+        return _run_deployment(grid, job)
+
+
+def _run_deployment(grid: Grid, job: dict) -> dict:
     import yaml
 
     from fedasync.config import config_from_dict
     from fedasync.outputs import write_run_outputs
+    from fedasync.private import open_private, private_dir, private_sqlite
     from fedasync.store import Store, default_sqlite_url
 
-    out = Path(job["out"])
-    out.mkdir(parents=True, exist_ok=True)
+    out = private_dir(job["out"])
+    open_private(out / "server.log", "a").close()
     handler = logging.FileHandler(out / "server.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     log.addHandler(handler)
@@ -448,7 +467,9 @@ def run_deployment(grid: Grid, job: dict) -> dict:
     store = None
     try:
         cfg = config_from_dict(yaml.safe_load(job["config_yaml"]))
-        store = Store(cfg.store.url or default_sqlite_url(out))
+        url = cfg.store.url or default_sqlite_url(out)
+        private_sqlite(url)
+        store = Store(url)
         keys = {int(c): bytes.fromhex(h) for c, h in (job.get("public_keys") or {}).items()}
         registered = {int(c): int(n) for c, n in (job.get("registered") or {}).items()}
 

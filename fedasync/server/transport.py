@@ -116,7 +116,9 @@ def reply_from_content(task_id: int, content: dict) -> Reply:
 def client_setup_json(cfg: Config, fed: Any = None) -> str:
     """What a client needs to build its data, model and trainer (sent with every task).  With the
     server's ``FederatedData`` it carries the model's ``input_shape`` and ``num_classes`` too, so a
-    device with its own data builds the model without the federation's files."""
+    device with its own data builds the model without the federation's files. No server-only
+    setting: not the store, not the privacy section (central DP, every client's budget); a task's
+    own DP settings travel in its ``privacy`` key."""
     shape = {} if fed is None else {"input_shape": list(fed.input_shape), "num_classes": int(fed.num_classes)}
     return json.dumps({
         **shape,
@@ -124,7 +126,6 @@ def client_setup_json(cfg: Config, fed: Any = None) -> str:
         "data": cfg.data.model_dump(mode="json"),
         "model": cfg.model.model_dump(mode="json"),
         "train": cfg.train.model_dump(mode="json"),
-        "privacy": cfg.privacy.model_dump(mode="json"),
     }, sort_keys=True)
 
 

@@ -19,6 +19,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
 
+from fedasync.private import mask_url, private_sqlite
 from fedasync.store.store import Store
 
 #: seconds a probe waits for a database server to answer
@@ -40,11 +41,8 @@ def first_line(exc: BaseException) -> str:
 
 
 def shown(url: str) -> str:
-    """The URL with its password hidden."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return url
+    """The URL with its password hidden (:func:`fedasync.private.mask_url`)."""
+    return mask_url(url)
 
 
 def _sqlite_path(url) -> Path | None:
@@ -106,9 +104,11 @@ def probe_store(url: str, key: str, must_exist: bool = False) -> None:
 
 def open_store(url: str, key: str, create: bool = True, must_exist: bool = False) -> Store:
     """:func:`probe_store`, then ``Store(url)`` (which brings the schema up to date);
-    StoreOpenError with one line if either fails."""
+    StoreOpenError with one line if either fails. A new SQLite file is created 0600."""
     probe_store(url, key, must_exist=must_exist)
     try:
+        if create:
+            private_sqlite(url)
         return Store(url, create=create)
     except (SQLAlchemyError, OSError) as e:
         raise StoreOpenError(f"{key}: cannot open {shown(url)}: {first_line(e)}") from None
