@@ -10,6 +10,9 @@ On a real device (``fedasync client``) the SuperNode's node config says who the 
   ``(run id, task id, base version, sha256 of the parameters)``;
 - ``device`` (optional): ``auto``, ``cpu``, ``cuda`` or ``mps``, overriding ``train.device``;
 - ``privacy-state-dir`` (optional): where it keeps its DP accountant;
+- ``privacy-policy`` (optional): the device's DP policy as JSON (``fedasync client`` writes it
+  in the state dir, 0600): which local-DP tasks it accepts and its own budget; a device without
+  one refuses every local-DP task (see :mod:`fedasync.privacy.policy`);
 - ``deployed`` (``fedasync client`` sets it): a real device, which never derives its DP noise
   from the seed a server sends (a task asking for ``privacy.reproducible_noise`` is refused,
   even from a server that does not mark its tasks ``deployment``).
@@ -37,6 +40,23 @@ def _signing_key(path: str):
     from fedasync.signing import load_private_key
 
     return load_private_key(path)
+
+
+@functools.lru_cache(maxsize=4)
+def _policy(path: str, mtime_ns: int):
+    from fedasync.privacy.policy import read_policy
+
+    return read_policy(path)
+
+
+def node_policy(node_cfg: dict):
+    """The device's :class:`~fedasync.privacy.policy.DevicePolicy` from node config ``privacy-policy``, or None."""
+    path = node_cfg.get("privacy-policy") or None
+    if not path:
+        return None
+    import os
+
+    return _policy(str(path), os.stat(str(path)).st_mtime_ns)
 
 
 def _node(context: Context) -> dict:
@@ -72,7 +92,7 @@ def train(msg: Message, context: Context) -> Message:
     state_dir = node_cfg.get("privacy-state-dir") or None  # a device keeps its DP accountant here
     result = handle_train(params, config, data_path=str(data_path) if data_path else None,
                           state_dir=str(state_dir) if state_dir else None,
-                          device_node=deployed or bool(node_cfg.get("deployed")))
+                          device_node=deployed or bool(node_cfg.get("deployed")), policy=node_policy(node_cfg))
     if deployed:
         result.setdefault("metrics", {}).update(task_id=int(config["task_id"]), client_id=int(config["client_id"]))
     key_path = node_cfg.get("signing-key")

@@ -14,6 +14,13 @@ A real device (``device_node``: the SuperNode was started by ``fedasync client``
 marked ``deployment`` never derives its noise from the seed the server sends: a task asking for
 ``privacy.reproducible_noise`` is refused with an error.
 
+A real device decides its own privacy (:mod:`fedasync.privacy.policy`): without a DP policy it
+refuses every local-DP task (``privacy_policy``); with one, a task that asks for less privacy
+than the policy allows is refused (``privacy_policy``, the rule in the reply's ``policy_rule``
+and in a log line) before any data is read, and an accepted one trains with the policy's budget
+and the device's own accountant file, at the task's public q, steps and sigma
+(:func:`fedasync.privacy.dp.device_task`): nothing in the reply depends on its record count.
+
 Simulated attacks: a simulation task for a malicious client carries ``"attack": {"kind": ...,
 "factor": ...}`` (``attack:`` in YAML, see :mod:`fedasync.clients.attack`). ``label_flip`` trains on
 flipped labels; ``sign_flip``, ``scale`` and ``gaussian`` transform the trained parameters before the
@@ -126,17 +133,45 @@ def warm(setup_json: str, client_id: int | None = None, data_path: str | None = 
         fed.partitions[client_id]
 
 
+def policy_refusal(policy, pconf: Any) -> str | None:
+    """Why a real device refuses a task on privacy grounds (one line), or None: without a policy it
+    refuses every DP task and trains the rest; with one it takes only DP tasks that pass
+    :func:`fedasync.privacy.policy.check_task`."""
+    from fedasync.privacy.policy import NO_POLICY, check_task
+
+    if policy is None:
+        return NO_POLICY if isinstance(pconf, dict) and pconf.get("local_dp") else None
+    return check_task(policy, pconf)
+
+
 def handle_train(params: Params, config: dict[str, Any], data_path: str | None = None,
-                 state_dir: str | None = None, device_node: bool = False) -> dict[str, Any]:
+                 state_dir: str | None = None, device_node: bool = False, policy=None) -> dict[str, Any]:
     """``state_dir``: where a real device keeps its privacy accountant (node config
-    ``privacy-state-dir``); used when the task carries no accountant history.  ``device_node``:
-    this is a real device (see the module docstring)."""
+    ``privacy-state-dir``).  ``device_node``: this is a real device (see the module docstring);
+    ``policy``: its :class:`~fedasync.privacy.policy.DevicePolicy` (node config ``privacy-policy``),
+    checked before anything else: a task it refuses is ``{"refused": "privacy_policy"}``, logged."""
     from fedasync.task.models import set_params
     from fedasync.task.train import local_train
 
     attack = config.get("attack")
     if attack and (config.get("deployment") or device_node):  # a real device never runs attack code
         return {"refused": "attack_in_deployment", "metrics": {}}
+    pconf = config.get("privacy")
+    if pconf and pconf.get("local_dp") and pconf.get("reproducible_noise") and (device_node or config.get("deployment")):
+        from fedasync.privacy import REPRODUCIBLE_REFUSED
+        from fedasync.privacy.budgets import PrivacyError
+
+        raise PrivacyError(REPRODUCIBLE_REFUSED)
+    if device_node:
+        why = policy_refusal(policy, config.get("privacy"))
+        if why is not None:
+            import logging
+
+            from fedasync.privacy.policy import POLICY_REFUSED
+
+            logging.getLogger("fedasync.privacy").warning("privacy policy: refused task %s: %s",
+                                                          config.get("task_id", "?"), why)
+            return {"refused": POLICY_REFUSED, "metrics": {"policy_rule": why}}
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     _s, num_classes, model, train_cfg, device, shape = _setup(config["setup"])
@@ -147,20 +182,20 @@ def handle_train(params: Params, config: dict[str, Any], data_path: str | None =
         from fedasync.clients.attack import flip_labels
 
         y = flip_labels(y, num_classes)
-    pconf = config.get("privacy")
     dp_metrics: dict[str, Any] = {}
     if pconf and pconf.get("local_dp"):
         # DP-SGD (Opacus): enforce the budget before training, then train privately
-        from fedasync.privacy.budgets import PrivacyError
         from fedasync.privacy.dp import private_task
 
-        if pconf.get("reproducible_noise") and (device_node or config.get("deployment")):
-            from fedasync.privacy import REPRODUCIBLE_REFUSED
-
-            raise PrivacyError(REPRODUCIBLE_REFUSED)
         set_params(model, params)
-        dp = private_task(model, x, y, train_cfg, seed=int(config["seed"]), device=device, pconf=pconf,
-                          state_dir=state_dir)
+        if device_node:  # its own policy, budget and accountant file; the task's public plan only
+            from fedasync.privacy.dp import device_task
+
+            dp = device_task(model, x, y, train_cfg, seed=int(config["seed"]), device=device, pconf=pconf,
+                             policy=policy, state_dir=state_dir)
+        else:
+            dp = private_task(model, x, y, train_cfg, seed=int(config["seed"]), device=device, pconf=pconf,
+                              state_dir=state_dir)
         if dp.refused is not None:
             return {"refused": dp.refused, "metrics": dp.metrics}
         result, dp_metrics = dp.train, dp.metrics

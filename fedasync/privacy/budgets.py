@@ -141,6 +141,20 @@ def _rdp_epsilon(history: History, delta: float) -> float:
     return float(eps)
 
 
+def covers(reported: Iterable[Sequence], composed: Iterable[Sequence]) -> bool:
+    """Whether ``reported`` holds every step of ``composed`` at the same ``(sigma, q)``. Then its RDP
+    is at least the composition's at every order, so its epsilon is too, now and after any further
+    steps; more steps alone are not enough (steps at a huge sigma spend nothing: a history that swapped
+    the record for them would lower the client's epsilon)."""
+    have: dict[tuple[float, float], int] = {}
+    for sigma, q, n in as_history(reported):
+        have[(sigma, q)] = have.get((sigma, q), 0) + n
+    need: dict[tuple[float, float], int] = {}
+    for sigma, q, n in as_history(composed):
+        need[(sigma, q)] = need.get((sigma, q), 0) + n
+    return all(have.get(k, 0) >= n for k, n in need.items())
+
+
 def extend_history(history: Iterable[Sequence] | None, noise_multiplier: float, sample_rate: float,
                    steps: int, accountant: str) -> History:
     """The history after ``steps`` more steps at ``(noise_multiplier, sample_rate)``.

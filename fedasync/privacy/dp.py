@@ -9,13 +9,21 @@ accountant is restored from the client's history first, so epsilon keeps growing
 :func:`private_task` is what a client does with a DP task (see ``clients/runner.py``):
 
 1. find its accountant history: from the task (simulation: the server's store keeps it), else
-   from ``<state_dir>/accountant-<key>.json`` (a real device keeps its own), never shorter than
-   what the server last recorded;
+   from ``<state_dir>/accountant-<key>.json``, raised to the server's record when that holds every
+   local step;
 2. **before training**, compute the epsilon it would have after this task (history plus the
    planned steps, a fresh Opacus accountant); if that exceeds its budget, refuse with
    ``privacy_budget_exhausted`` and do not train;
 3. train with DP-SGD, save the accountant's new state (state dir), and report epsilon after
    the task with the history in the reply metrics.
+
+A deployed device does not run :func:`private_task` but :func:`device_task`, under its own
+policy (:mod:`fedasync.privacy.policy`, checked first by ``clients/runner.py``): the policy's
+budget, delta and accountant; one accountant file ``<state_dir>/accountant-device-<id>.json``
+named by the device's own id for every run and server (the task's ``server_history`` may only
+raise it, never lower it); the task's public ``sample_rate``, ``steps`` and ``noise_multiplier``
+and the optimizer's denominator ``num_examples // (1/q)``, never its own record count; and the
+planned spend saved before training.
 
 Where the randomness comes from (the server must not know it: it could rerun the task on dummy
 data with the same generator and subtract the noise):
@@ -40,6 +48,7 @@ INFO on the client.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -63,6 +72,7 @@ from fedasync.privacy.budgets import (
     as_history,
     calibrate,
     check_enforcing,
+    covers,
     epsilon_of,
     extend_history,
     history_json,
@@ -209,7 +219,9 @@ class OpacusHook:
 
     ``history``: the client's accountant history so far; after training, :attr:`history` is the
     accountant's new one.  Call :meth:`close` afterwards (it removes Opacus' hooks from the model,
-    which a client reuses for its next task).
+    which a client reuses for its next task).  ``sample_rate`` and ``expected_batch_size`` (a
+    deployed device): sample at that public ``q`` (``1/k``) and divide the noisy sum by that public
+    number, instead of ``1/ceil(n/b)`` and ``n // k`` from the client's own ``n`` records.
     """
 
     def __init__(
@@ -223,6 +235,8 @@ class OpacusHook:
         seed: int = 0,
         secure_mode: bool = False,
         reproducible_noise: bool = False,
+        sample_rate: float | None = None,
+        expected_batch_size: int | None = None,
     ) -> None:
         if grad_sample_mode not in GRAD_SAMPLE_MODES:
             raise PrivacyError(f"privacy.local_dp.grad_sample_mode: {grad_sample_mode!r} is not one of "
@@ -240,6 +254,9 @@ class OpacusHook:
         self.reproducible_noise = bool(reproducible_noise)
         self.engine = None
         self.module = None
+        # a device's public plan (the task's q and sum's denominator), never its own record count
+        self.planned_rate = None if sample_rate is None else float(sample_rate)
+        self.expected_batch_size = None if expected_batch_size is None else int(expected_batch_size)
         self.sample_rate: float | None = None
 
     def __call__(self, model: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader):
@@ -262,7 +279,12 @@ class OpacusHook:
         # than the one sampled with and budgeted for.  Here len(loader) is exactly 1 / q.
         from opacus.data_loader import DPDataLoader
 
-        k = math.ceil(len(data_loader.dataset) / batch)
+        if self.planned_rate is not None:  # a device: q from the task, whatever its own n
+            k = round(1.0 / self.planned_rate)
+            if not 0 < self.planned_rate <= 1 or 1.0 / k != self.planned_rate:
+                raise PrivacyError(f"privacy: sample_rate {self.planned_rate!r} is not 1/k for a whole number k")
+        else:
+            k = math.ceil(len(data_loader.dataset) / batch)
         base = DPDataLoader(data_loader.dataset, sample_rate=1.0 / k,
                             generator=torch.Generator().manual_seed(sample_seed))
         base.batch_sampler.steps = k
@@ -286,7 +308,9 @@ class OpacusHook:
             criterion = None
         # Opacus averages over int(n * q) records, which float rounding makes one less than n // k for
         # some n (784 records, batch 16: 15, a 16/15 larger step; batch 1, 49 records: 0, a NaN model)
-        dp_optimizer.expected_batch_size = len(data_loader.dataset) // k
+        # (a device divides by the public num_examples // k instead: the server's plan, not its own n)
+        dp_optimizer.expected_batch_size = (len(data_loader.dataset) // k if self.expected_batch_size is None
+                                            else self.expected_batch_size)
         self.module = module
         if self.grad_sample_mode in ("functorch", "ew"):
             module = _EmptyBatchSafe(module)
@@ -368,11 +392,17 @@ def resolve_history(pconf: dict, state_dir: str | None) -> tuple[list, Path | No
                            "alone misses the tasks whose replies it never took, and cannot enforce the budget")
     path = _state_file(state_dir, str(pconf.get("state_key", "client")))
     local = load_state_file(path, accountant)
-    if history_steps(server) > history_steps(local):
-        log.warning("privacy state %s has %d steps but the server recorded %d: using the server's history",
-                    path, history_steps(local), history_steps(server))
-        return server, path
-    return local, path
+    return _raised_by(server, local, path), path
+
+
+def _raised_by(server: list, local: list, path: Path) -> list:
+    """The server's record may only raise the local one: taken when it holds every local step
+    (:func:`~fedasync.privacy.budgets.covers`: its epsilon is at least the local one's), else ignored."""
+    if server != local and covers(server, local):
+        log.warning("privacy state %s has %d steps but the server recorded %d holding them all: using the "
+                    "server's history", path, history_steps(local), history_steps(server))
+        return server
+    return local
 
 
 def private_task(model: nn.Module, x: np.ndarray, y: np.ndarray, train_cfg, seed: int, device,
@@ -422,3 +452,83 @@ def private_task(model: nn.Module, x: np.ndarray, y: np.ndarray, train_cfg, seed
     return DPTaskResult(refused=None, train=result, metrics={
         "epsilon": eps, "dp_steps": history_steps(after) - history_steps(history),
         "accountant_history": history_json(after), "max_grad_norm": float(pconf["max_grad_norm"]), **common})
+
+
+# -- a deployed device's DP task, under its own policy -----------------------------------------------------
+
+
+@contextlib.contextmanager
+def _locked(state_dir: str | os.PathLike):
+    """One DP task at a time per state dir (two clients sharing it share one budget)."""
+    Path(state_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(Path(state_dir) / "accountant.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except ImportError:  # pragma: no cover - not POSIX
+            pass
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def device_state_file(state_dir: str | os.PathLike) -> Path:
+    """The device's one accountant file, for every run and server: named by its own id
+    (:func:`fedasync.privacy.policy.device_id`), never by anything a task carries."""
+    from fedasync.privacy.policy import device_id
+
+    return Path(state_dir) / f"accountant-device-{device_id(state_dir)}.json"
+
+
+def device_task(model: nn.Module, x: np.ndarray, y: np.ndarray, train_cfg, seed: int, device, pconf: dict,
+                policy, state_dir: str | None) -> DPTaskResult:
+    """A deployed device's DP task (``pconf`` already passed :func:`~fedasync.privacy.policy.check_task`).
+
+    The budget, delta and accountant are the policy's; the history is the device's own file
+    (:func:`device_state_file`; the task's ``server_history`` only raises it). q, steps and sigma
+    are the task's public plan (``sample_rate``, ``steps``, ``noise_multiplier``) and the DP
+    optimizer divides by ``num_examples // k`` (``k = 1/q``), so no reply field depends on the
+    device's own record count. The planned spend is saved **before** training: a crash mid-task
+    leaves it charged."""
+    if not state_dir:
+        raise PrivacyError("privacy: this device keeps no DP accountant of its own; start it with "
+                           "--privacy-state-dir DIR (node config privacy-state-dir)")
+    accountant, delta, budget = policy.accountant, float(policy.delta), float(policy.epsilon)
+    check_enforcing(accountant)
+    sigma, q, steps = float(pconf["noise_multiplier"]), float(pconf["sample_rate"]), int(pconf["steps"])
+    expected = max(1, int(pconf["num_examples"]) // round(1.0 / q))
+    common = {"delta": delta, "epsilon_budget": budget, "accountant": accountant, "noise_multiplier": sigma,
+              "sample_rate": q}
+    with _locked(state_dir):
+        path = device_state_file(state_dir)
+        history = _raised_by(as_history(pconf.get("server_history")), load_state_file(path, accountant), path)
+        planned = extend_history(history, sigma, q, steps, accountant)
+        eps_next = epsilon_of(planned, delta, accountant)
+        if eps_next > budget:
+            log.warning("privacy: refused a task: epsilon would reach %.4g, over this device's budget %.4g",
+                        eps_next, budget)
+            return DPTaskResult(refused=REFUSED, metrics={
+                "epsilon": epsilon_of(history, delta, accountant), "epsilon_next": eps_next,
+                "accountant_history": history_json(history), **common})
+        save_state_file(path, accountant, planned, delta, eps_next)  # charged before anything is released
+        hook = OpacusHook(noise_multiplier=sigma, max_grad_norm=float(pconf["max_grad_norm"]), accountant=accountant,
+                          grad_sample_mode=pconf.get("grad_sample_mode", "ghost"), history=history, seed=seed,
+                          secure_mode=bool(pconf.get("secure_mode", False)), sample_rate=q,
+                          expected_batch_size=expected)
+        cfg = train_cfg.model_copy(update={"local_steps": steps, "local_epochs": None})  # the plan's steps
+        from fedasync.task.train import local_train
+
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
+                warnings.filterwarnings("ignore", message=".*Using a non-full backward hook.*")
+                result = local_train(model, x, y, cfg, seed=seed, device=device, make_private=hook)
+        finally:
+            hook.close()
+        if hook.history != planned:  # pragma: no cover - the accountant steps exactly as planned
+            raise PrivacyError(f"privacy: the accountant recorded {hook.history}, the plan was {planned}")
+    return DPTaskResult(refused=None, train=result, metrics={
+        "epsilon": eps_next, "dp_steps": steps, "accountant_history": history_json(planned),
+        "max_grad_norm": float(pconf["max_grad_norm"]), **common})
