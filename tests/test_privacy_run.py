@@ -392,15 +392,16 @@ def test_a_reply_with_bad_privacy_accounting_is_rejected_and_still_charged(tmp_p
     store.close()
 
 
-def test_the_device_accountant_file_is_named_after_the_run_as_stored(tmp_path):
-    # a resume may rename the config; the device must find the same accountant file
+def test_a_deployment_task_names_no_accountant_file(tmp_path):
+    # a device keys its accountant by its own id (issue 32): the server sends neither a state key
+    # nor a history to use, only its record as a floor
     from fedasync.privacy.tracker import PrivacyTracker
 
     store = Store(f"sqlite:///{tmp_path / 'fedasync.db'}")
     run_id = store.create_run("first-name", "fedbuff", 0, "{}", "deployment")
     renamed = load_config(None, [s for s in SECRET if not s.startswith("name=")] + ["name=second-name"])
     conf = PrivacyTracker(renamed, store, run_id, strategy=None, resumed=True).client_config(1)
-    assert conf["state_key"] == f"first-name-run{run_id}-client1" and "history" not in conf
+    assert "state_key" not in conf and "history" not in conf and conf["server_history"] == []
     store.close()
 
 

@@ -43,6 +43,7 @@ from fedasync.privacy.budgets import (
     central_delta_warning,
     central_epsilon,
     central_sample_rate,
+    covers,
     delta_warnings,
     epsilon_of,
     extend_history,
@@ -102,20 +103,6 @@ def check_runnable(cfg: Config) -> None:
         plan_clients(cfg, fed.sizes())  # resolves every budget and calibrates sigma (cached)
 
 
-def _covers(reported, composed) -> bool:
-    """Whether ``reported`` holds every step of ``composed`` at the same ``(sigma, q)``. Then its RDP
-    is at least the composition's at every order, so its epsilon is too, now and after any further
-    steps; more steps alone are not enough (steps at a huge sigma spend nothing: a reply that swapped
-    the record for them lowered the client's epsilon, and it trained past its budget)."""
-    have: dict[tuple[float, float], int] = {}
-    for sigma, q, n in reported:
-        have[(sigma, q)] = have.get((sigma, q), 0) + n
-    need: dict[tuple[float, float], int] = {}
-    for sigma, q, n in composed:
-        need[(sigma, q)] = need.get((sigma, q), 0) + n
-    return all(have.get(k, 0) >= n for k, n in need.items())
-
-
 class PrivacyTracker:
     """Per-client accountants (their histories) and central DP accounting for one run."""
 
@@ -130,9 +117,9 @@ class PrivacyTracker:
         check_runnable(cfg)
         try:
             run = store.get_run(run_id)
-            self.mode, self.run_name = run.mode, run.name
+            self.mode = run.mode
         except Exception:  # pragma: no cover - a store without the run row
-            self.mode, self.run_name = "simulation", cfg.name
+            self.mode = "simulation"
         if self.mode == "deployment" and cfg.privacy.reproducible_noise:
             from fedasync.privacy import REPRODUCIBLE_REFUSED
 
@@ -216,11 +203,8 @@ class PrivacyTracker:
         hist = history_json(self.history[client_id])
         if self.mode != "deployment":  # simulation, ledger, gossip: the store is the client's own record
             conf["history"] = hist
-        else:  # a real device keeps its own accountant; the server's record is a floor
+        else:  # a real device keeps its own accountant (keyed by its own id); the server's record may only raise it
             conf["server_history"] = hist
-            # the run's name as stored when it was made: a resume may rename the config, and the
-            # device must keep the same accountant file
-            conf["state_key"] = f"{self.run_name}-run{self.run_id}-client{client_id}"
         return conf
 
     # -- what a reply records ----------------------------------------------------------------
@@ -230,7 +214,7 @@ class PrivacyTracker:
 
         The server's record of a client only grows: it is the record before this task composed
         with this task's ``(noise_multiplier, sample_rate, dp_steps)``, or the device's own history
-        when that holds all of the composition's steps (:func:`_covers`; a device with a state file
+        when that holds all of the composition's steps (:func:`~fedasync.privacy.budgets.covers`; a device with a state file
         knows of tasks the server lost). A device that started from an older record (a task that overlapped another
         one of the same client, a record lost in a crash) reports a history that misses steps: the
         composition keeps them. A reply whose accounting is missing or malformed (a dp_steps that
@@ -260,10 +244,11 @@ class PrivacyTracker:
             reason, reported = "privacy_accounting", None
             sigma, q, steps = plan.noise_multiplier, plan.sample_rate, plan.steps
         composed = extend_history(prior, sigma, q, steps, dp.accountant)
-        if reported is not None and _covers(reported, composed):
+        if reported is not None and covers(reported, composed):
             hist = reported  # the device's own record: this task and at least all the server knows
-            if dp.accountant == "rdp":  # cheap (cached per (sigma, q)): the server's own figure, not the device's
-                eps = epsilon_of(hist, plan.budget.delta, dp.accountant)
+            own = epsilon_of(hist, plan.budget.delta, dp.accountant)
+            # rdp: the server's own figure. prv: a numerical bound; a claim may raise it, never lower it
+            eps = own if dp.accountant == "rdp" else max(eps, own)
         else:
             if reported is not None:
                 log.warning("client %d's accountant history (%d steps) does not hold the server's record plus this "
