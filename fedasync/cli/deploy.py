@@ -17,7 +17,8 @@ the clients' signing keys (``deploy.public_keys``), and ``fedasync client`` its 
 Flower's ``flower-supernode`` with a shorter poll, and a warm trainer, :mod:`fedasync.clients.warm`)
 on its own local port (``--port``, else a free one, checked before it starts); the node config
 carries ``partition-id``, ``num-partitions``, ``data-path``, ``signing-key``,
-``device`` and ``privacy-state-dir`` (see ``fedasync.clients.app``).
+``device``, ``privacy-state-dir`` and ``privacy-policy`` (the device's DP policy from
+``--privacy-policy``/``--dp-*``, written as JSON in the state dir; see ``fedasync.clients.app``).
 
 Everything Flower keeps (its CLI config, the SuperLink's apps) lives in ``<out>/flwr/`` unless
 ``FLWR_HOME`` is set; the Flower app submitted is a generated ``pyproject.toml`` only (the
@@ -135,6 +136,25 @@ def client(
                                         "for a message when it has none (Flower's own: 3)."),
     warm: bool = typer.Option(True, "--warm/--no-warm", help="Keep a warm trainer (torch, data, model loaded "
                               "once; a forked process per task) instead of a new flwr-clientapp per message."),
+    privacy_policy: Optional[Path] = typer.Option(None, "--privacy-policy", help="This device's DP policy (YAML: "
+                                                  "accountant, epsilon, delta, min_noise_multiplier, "
+                                                  "max_epsilon_per_task, max_sample_rate, max_grad_norm, "
+                                                  "allow_report_loss); without a policy the device refuses every "
+                                                  "local-DP task. The --dp-* flags set or override its keys."),
+    dp_epsilon: Optional[float] = typer.Option(None, "--dp-epsilon", help="Policy: this device's epsilon budget "
+                                               "for its data, all runs and servers together."),
+    dp_delta: Optional[float] = typer.Option(None, "--dp-delta", help="Policy: its delta (default 1e-5)."),
+    dp_accountant: Optional[str] = typer.Option(None, "--dp-accountant", help="Policy: rdp (default) or prv."),
+    dp_min_noise: Optional[float] = typer.Option(None, "--dp-min-noise", help="Policy: the least noise "
+                                                 "multiplier a task may use."),
+    dp_max_task_epsilon: Optional[float] = typer.Option(None, "--dp-max-task-epsilon", help="Policy: the most "
+                                                        "epsilon one task may cost."),
+    dp_max_sample_rate: Optional[float] = typer.Option(None, "--dp-max-sample-rate", help="Policy: the largest "
+                                                       "sampling rate q a task may use."),
+    dp_max_grad_norm: Optional[float] = typer.Option(None, "--dp-max-grad-norm", help="Policy: the loosest "
+                                                     "clipping norm a task may use."),
+    dp_allow_loss: bool = typer.Option(False, "--dp-allow-loss", help="Policy: tasks may ask for the training "
+                                       "loss (report_loss; outside the DP guarantee)."),
 ) -> None:
     """Run this device's SuperNode (flower-supernode with the fedasync ClientApp and a warm trainer)."""
     from fedasync.deploy.processes import (SUPERNODE_HOST, check_port_free, child_env, free_local_port,
@@ -192,6 +212,16 @@ def client(
         fail(f"--port: {port} is not a port")
     if max_wait_time is not None and not 0 < max_wait_time < float("inf"):
         fail(f"--max-wait-time: {max_wait_time:g} is not a number of seconds > 0")
+    from fedasync.privacy.policy import PolicyError, policy_file, resolve_policy, write_policy
+
+    try:  # the device's own DP policy, handed to its ClientApp as a 0600 JSON file in the state dir
+        policy = resolve_policy(privacy_policy, {
+            "epsilon": dp_epsilon, "delta": dp_delta, "accountant": dp_accountant, "min_noise_multiplier": dp_min_noise,
+            "max_epsilon_per_task": dp_max_task_epsilon, "max_sample_rate": dp_max_sample_rate,
+            "max_grad_norm": dp_max_grad_norm, "allow_report_loss": True if dp_allow_loss else None})
+    except PolicyError as e:
+        fail(str(e))
+    policy_path = policy_file(policy, privacy_state_dir) if policy is not None else None
     try:
         if port is None:  # each SuperNode on this machine its own local port
             port = free_local_port()
@@ -201,9 +231,15 @@ def client(
             except DeployError as e:
                 raise DeployError(f"{e} (another SuperNode?): give another --port, or none for a free one") from None
         cmd = supernode_command(superlink, partition_id, num_partitions, data, root_certificates, insecure, auth_key,
-                                signing_key, port, device, privacy_state_dir, max_wait_time, poll_interval, warm)
+                                signing_key, port, device, privacy_state_dir, max_wait_time, poll_interval, warm,
+                                privacy_policy=policy_path)
     except DeployError as e:
         fail(str(e), e.code)
+    try:  # written once every input is checked
+        if policy is not None:
+            write_policy(policy, privacy_state_dir)
+    except OSError as e:
+        fail(f"--privacy-state-dir: {privacy_state_dir}: {e.strerror or e}")
     if no_signing:
         err_console.print("warning: --no-signing: this device's updates are unsigned; a server that signs "
                           "(its default) rejects them", highlight=False, markup=False)
@@ -214,6 +250,9 @@ def client(
                       f"(SuperLink {superlink}, local port {port}, poll every {poll_interval:g} s, "
                       f"{'warm trainer' if warm else 'a flwr-clientapp process per message'}; "
                       f"DP accountants in {privacy_state_dir})", highlight=False, markup=False)
+    if policy is None:
+        err_console.print("fedasync client: no DP policy (--privacy-policy or --dp-*): this device refuses every "
+                          "local-DP task", highlight=False, markup=False)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(cmd[0], cmd, child_env())

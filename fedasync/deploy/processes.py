@@ -181,7 +181,8 @@ def supernode_command(superlink: str, partition_id: int, num_partitions: int, da
                       auth_key: Optional[Path] = None, signing_key: Optional[Path] = None,
                       port: Optional[int] = None, device: Optional[str] = None,
                       privacy_state_dir: Optional[Path] = None, max_wait_time: Optional[float] = None,
-                      poll_interval: float = 1.0, warm: bool = True) -> list[str]:
+                      poll_interval: float = 1.0, warm: bool = True,
+                      privacy_policy: Optional[Path] = None) -> list[str]:
     """The command line of one device's SuperNode: Flower's ``flower-supernode`` run by
     :mod:`fedasync.deploy.supernode` (its idle poll every ``poll_interval`` seconds; ``warm``: a
     warm trainer next to it instead of a new ``flwr-clientapp`` process per message)."""
@@ -194,6 +195,8 @@ def supernode_command(superlink: str, partition_id: int, num_partitions: int, da
         node["device"] = device
     if privacy_state_dir is not None:
         node["privacy-state-dir"] = str(privacy_state_dir.resolve())
+    if privacy_policy is not None:  # the device's DP policy (fedasync.privacy.policy), as JSON
+        node["privacy-policy"] = str(privacy_policy.resolve())
     node_config = " ".join(f"{k}={json.dumps(v)}" for k, v in node.items())
     if not 0 < poll_interval <= MAX_POLL_INTERVAL:  # inf or 1e300: Flower would sleep for ever
         raise DeployError(f"--poll-interval: {poll_interval:g} is not in (0, {MAX_POLL_INTERVAL}] seconds")
