@@ -173,6 +173,8 @@ class ServerConfig(_Section):
     task_timeout: float | None = Field(None, gt=0)  # seconds (virtual in simulation, wall in deployment)
     late_policy: Literal["reject", "accept"] = "reject"
     poll_interval: float = Field(0.02, gt=0)
+    # stop (stop_reason no_progress) after this many taken replies in a row with none accepted; 0/null: never
+    max_rejected_in_a_row: int | None = Field(1000, ge=0)
 
 
 class ClockConfig(_Section):

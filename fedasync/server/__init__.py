@@ -6,6 +6,7 @@
 - ``resume.py``: crash-safety state, resuming a stored run, which configs may continue it.
 - ``records.py``: the store rows a reply leaves (untrusted fields coerced).
 - ``control.py``: stopping (signals, the store's ``stopping`` status, no client left).
+- ``progress.py``: liveness (no non-finite version is committed; a run that accepts nothing stops).
 - ``summary.py``: a run's summary.
 - ``strategies.py``, ``staleness.py``, ``scheduler.py``, ``clock.py``, ``validation.py``: pure
   pieces (aggregation rules, staleness weights, client choice, clocks and speed profiles,

@@ -28,6 +28,9 @@ Semantics (see docs in README "How the asynchronous loop works"):
   at once); in deployment, so does a store status of ``stopping`` (``fedasync server``'s Ctrl-C).
 * Each taken reply is validated, handed to the strategy and recorded in one transaction with
   the model version it produced. Evaluation: every ``eval_every`` versions and at the end.
+* **Liveness** (``progress.py``): a new version that is not finite is never committed (the updates
+  that made it are rejected ``non_finite_model``); ``server.max_rejected_in_a_row`` rejected
+  replies in a row stop the run (``no_progress``).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from typing import Any, Callable
 import numpy as np
 
 from fedasync.config import Config
-from fedasync.server import resume
+from fedasync.server import progress, resume
 from fedasync.server.clock import VirtualClock, WallClock, make_profiles, task_duration
 from fedasync.server.control import ROUND_CLOSED, StopControl, cancel_dropped, no_task_reason
 from fedasync.server.records import Digests, replay_row, update_row
@@ -113,6 +116,7 @@ class AsyncServer:
         self.stop_reason: str | None = None
         self.t_wall0 = time.time()
         self.replays = 0
+        self.rejected_in_a_row, self.pending_staleness = 0, {}  # progress.py (buffered task -> its staleness)
         self.closed: dict[str, tuple[int, int]] = {}  # message id -> (task id, client id) once handled
         self.cancelled: dict[str, Live] = {}  # wall clock: message id -> a backup task its round dropped
         self._resend: list[Any] = []  # virtual-clock resume: dispatch rows to send again as they were
@@ -178,7 +182,7 @@ class AsyncServer:
                         break
                     self._fill()
                     if not self.live:
-                        if self._wait_for_clients():
+                        if progress.wait_for_clients(self):
                             continue
                         self.stop_reason = no_task_reason(self)
                         break
@@ -437,16 +441,19 @@ class AsyncServer:
             reason = self.strategy.check(upd, self.version)
             if reason is None:  # server.robust filter, then server.delay_compensation (may replace upd.params)
                 reason = self.policy.judge(upd, self.params, self.version)
-        new_version, weight = None, None
+        new_version, weight, earlier = None, None, {}
         if reason is None:
             weight = float(self.strategy.weight(upd))
-            new = self.strategy.add(self.params, upd, self.version)
+            new, reason, earlier = progress.aggregate(self, upd)  # a non-finite model: rejected, undone
+        if reason is None:
             self.accepted += 1
             self.staleness.append(s)
             if new is not None:
                 new_version = self._new_version(new)
         else:
+            weight = None
             self.rejections[reason] = self.rejections.get(reason, 0) + 1
+        progress.count(self, reason)
         row = update_row(t, reply, version_at_arrival=self.version - (1 if new_version else 0), staleness=s,
                          weight=weight, num_examples=num_examples, reason=reason, now=self.clock.now,
                          pending=reason is None and t.task_id in self.strategy.pending(), params_sha256=digest())
@@ -463,7 +470,8 @@ class AsyncServer:
         self.store.record_reply(self.run_id, t.task_id, row, status,
                                 new_version, resume.loop_state(self),
                                 self.clock.now, privacy=privacy, client_state=client_state,
-                                drop_params=self.retention.release_for(self), forget_filter_params=forget)
+                                drop_params=self.retention.release_for(self), forget_filter_params=forget,
+                                rejected=earlier)
         if new_version is not None:
             self.retention.stored(self.version)  # (retention keeps nothing without save_parameters)
             cancel_dropped(self)
@@ -515,6 +523,8 @@ class AsyncServer:
         s = self.cfg.server
         if s.max_versions is not None and self.version >= s.max_versions:
             return "max_versions"
+        if progress.stalled(self):
+            return progress.NO_PROGRESS
         if s.stop_at_target and self.time_to_target is not None:
             return "target_accuracy"
         if s.max_wall_time is not None and time.time() - self.t_wall0 >= s.max_wall_time:
@@ -522,23 +532,6 @@ class AsyncServer:
         if not self.virtual and s.max_virtual_time is not None and self.clock.now >= s.max_virtual_time:
             return "max_virtual_time"
         return None
-
-    def _wait_for_clients(self) -> bool:
-        """Wall clock: nothing could be dispatched. Wait (discovering nodes) while some client that
-        is not exhausted may still appear; False once ``deploy.node_discovery_timeout`` has passed."""
-        if self.virtual or self.available_clients is None:
-            return False
-        if len(self.exhausted) >= self.cfg.data.num_clients:
-            return False
-        now = time.monotonic()
-        if self._no_client_since is None:
-            self._no_client_since = now
-            log.info("waiting for clients (nodes) to connect")
-        if now - self._no_client_since > self.cfg.deploy.node_discovery_timeout:
-            return False
-        self._refresh()
-        time.sleep(max(self.cfg.server.poll_interval, 0.2))
-        return True
 
     def _refresh(self) -> None:
         refresh = getattr(self.transport, "refresh", None)

@@ -72,6 +72,7 @@ def loop_state(srv: AsyncServer) -> LoopState:
         "virtual_time": srv.clock.now,
         "exhausted": sorted(srv.exhausted),
         "time_to_target": srv.time_to_target,
+        "rejected_in_a_row": srv.rejected_in_a_row,  # progress.py: replies since one was accepted
     }))
     out.scheduler_state = text
     return out
@@ -124,6 +125,7 @@ def restore(srv: AsyncServer, run_id: int) -> None:
         srv.policy.load_state_dict(state.get("policy"), lambda v: store.load_version(run_id, v)[1])
         srv.exhausted = set(state["exhausted"])
         srv.time_to_target = state["time_to_target"]
+        srv.rejected_in_a_row = int(state.get("rejected_in_a_row", 0))  # (a store written before: 0)
         if srv.virtual:
             srv.clock.advance_to(state["virtual_time"])
         else:
@@ -136,6 +138,7 @@ def restore(srv: AsyncServer, run_id: int) -> None:
     # re-add the accepted updates that were still buffered (none produced a version yet)
     for u, params in store.pending_updates(run_id):
         srv.retention.buffered(u.task_id, u.base_version)
+        srv.pending_staleness[u.task_id] = u.staleness
         _, base = store.load_version(run_id, u.base_version)
         srv.strategy.add(srv.params, Update(
             task_id=u.task_id, client_id=u.client_id, params=params, base_params=base,
@@ -241,7 +244,7 @@ def check_resume_config(stored_yaml: str, cfg: Config) -> str | None:
 
     may_change = {("server", k) for k in ("max_versions", "max_virtual_time", "max_wall_time",
                                            "target_accuracy", "stop_at_target", "task_timeout", "late_policy",
-                                           "poll_interval", "eval_every")} | {("store",), ("deploy",), ("name",),
+                                           "poll_interval", "eval_every", "max_rejected_in_a_row")} | {("store",), ("deploy",), ("name",),
                                                                                ("simulation",)}
     from fedasync.config import ConfigError, config_from_dict
 

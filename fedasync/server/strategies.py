@@ -31,8 +31,9 @@ Rules (``S`` is the staleness function, see :mod:`fedasync.server.staleness`):
   the server cancels its ``b`` remaining tasks, so that all ``m + b`` workers restart together
   on the new model (:func:`fedasync.server.control.cancel_dropped`).
 
-Arithmetic is float64; results are cast back to each array's dtype. Inputs are never
-mutated; every returned model is a new dict of new arrays.
+Arithmetic is float64; results are cast back to each array's dtype. Inputs are never mutated;
+every returned model is a new dict of new arrays. One can overflow to inf (a huge finite update
+times ``server_lr > 1``, or central-DP noise): the server then calls :meth:`Strategy.discard`.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class Strategy(ABC):
 
     name: str = ""
     synchronous: bool = False
+    _UNDO: tuple[str, ...] = ("_last",)  # what discard() puts back (fedavg: the closed round too)
 
     def __init__(self) -> None:
         self._last: list[int] = []
@@ -103,6 +105,16 @@ class Strategy(ABC):
     def last_aggregated(self) -> list[int]:
         """Task ids that produced the most recently returned model."""
         return list(self._last)
+
+    def undo_state(self) -> dict[str, Any]:
+        """Before :meth:`add`: what an aggregation changes besides emptying its buffer (small)."""
+        return {k: getattr(self, k) for k in self._UNDO}
+
+    def discard(self, before: dict[str, Any]) -> None:
+        """Forget the model the last :meth:`add` returned (the server found it non-finite): its
+        updates left the buffer with it (the server rejects them); the rest is put back as
+        ``before`` (:meth:`undo_state`). A central-DP release made stays counted (its noise was drawn)."""
+        self.__dict__.update(before)
 
     def state_dict(self) -> dict[str, Any]:
         return {"strategy": self.name, "last_aggregated": list(self._last)}
@@ -246,25 +258,23 @@ def _entry_state(e: dict[str, Any]) -> dict[str, Any]:
 class FedBuff(Strategy):
     """Buffer ``S(s_i) * (x_i - x_base_i)``; every ``K`` updates step the model by their mean.
 
-    With central DP each release must hold **at most one clipped term per client**, or the
-    sensitivity ``clip`` claimed per client is wrong (a fast client can finish, be sent a new
-    task and finish again before the buffer fills). fedbuff **holds back** a client's second
-    update: an update whose client already has one in the buffer waits (``held``) and enters
-    the buffer, in arrival order, right after the next release; a third update of a client that
-    already has one buffered and one held is rejected (``check``: ``client_backlog``). So every
-    release is exactly ``K`` clipped deltas of ``K`` distinct clients, and the fixed divisor
-    ``K`` is the number of terms, as without DP; the accounting (one Gaussian release per
-    aggregation, sensitivity ``clip`` per client, ``q = K / num_clients``) is unchanged.
+    With central DP each release must hold **at most one clipped term per client**, or the sensitivity
+    ``clip`` claimed per client is wrong (a fast client can finish, be sent a new task and finish again
+    before the buffer fills). fedbuff **holds back** a client's second update: an update whose client
+    already has one in the buffer waits (``held``) and enters the buffer, in arrival order, right after the
+    next release; a third update of a client that already has one buffered and one held is rejected
+    (``check``: ``client_backlog``). So every release is exactly ``K`` clipped deltas of ``K`` distinct
+    clients, and the fixed divisor ``K`` is the number of terms, as without DP; the accounting (one Gaussian
+    release per aggregation, sensitivity ``clip`` per client, ``q = K / num_clients``) is unchanged.
 
-    Why not sum a client's buffered deltas and clip the sum (the other choice): it is equally
-    private, but a release would then mix one-term and many-term clients under one divisor
-    ``K`` (a repeated client's work shrinks to one clipped term while still counting ``K``
-    updates), and the fast clients asynchronous arrival favours would be folded in silently.
-    Holding back keeps FedBuff's rule ("the mean of ``K`` updates") and makes the fairness cost
-    visible: a held update waits one release (it keeps the staleness weight it had on arrival),
-    a backlogged one is recorded as rejected. A held update counts in :meth:`pending` (the
-    loop stores its parameters and re-adds it on resume, in arrival order, which rebuilds the
-    same buffer and held list). Without central DP nothing is held.
+    Why not sum a client's buffered deltas and clip the sum (the other choice): it is equally private, but a
+    release would then mix one-term and many-term clients under one divisor ``K`` (a repeated client's work
+    shrinks to one clipped term while still counting ``K`` updates), and the fast clients asynchronous
+    arrival favours would be folded in silently. Holding back keeps FedBuff's rule ("the mean of ``K``
+    updates") and makes the fairness cost visible: a held update waits one release (it keeps the staleness
+    weight it had on arrival), a backlogged one is recorded as rejected. A held update counts in
+    :meth:`pending` (the loop stores its parameters and re-adds it on resume, in arrival order, which
+    rebuilds the same buffer and held list). Without central DP nothing is held.
     """
 
     name = "fedbuff"
@@ -405,6 +415,7 @@ class FedAvg(Strategy):
 
     name = "fedavg"
     synchronous = True
+    _UNDO = ("_last", "_closed")  # a discarded round is open again: its backups and new tasks refill it
 
     def __init__(self, clients_per_round: int, backup_workers: int = 0, weighting: str = "examples") -> None:
         super().__init__()
@@ -478,10 +489,6 @@ class FedAvg(Strategy):
 
 
 def _fedasync(cfg: ServerConfig, weighting: str, central_dp: CentralDP | None) -> Strategy:
-    if central_dp is not None:
-        raise ValueError("central DP is supported with server.strategy fedbuff only")
-    if cfg.robust.aggregator != "mean":
-        raise ValueError("server.robust.aggregator: a robust aggregator needs server.strategy fedbuff")
     return FedAsync(alpha=cfg.alpha, staleness_fn=make_staleness(cfg.staleness, concurrency=cfg.concurrency))
 
 
@@ -498,10 +505,6 @@ def _fedbuff(cfg: ServerConfig, weighting: str, central_dp: CentralDP | None) ->
 
 
 def _fedavg(cfg: ServerConfig, weighting: str, central_dp: CentralDP | None) -> Strategy:
-    if central_dp is not None:
-        raise ValueError("central DP is supported with server.strategy fedbuff only")
-    if cfg.robust.aggregator != "mean":
-        raise ValueError("server.robust.aggregator: a robust aggregator needs server.strategy fedbuff")
     return FedAvg(
         clients_per_round=cfg.clients_per_round or cfg.concurrency,
         backup_workers=cfg.backup_workers,
@@ -539,4 +542,8 @@ def make_strategy(
               if central_dp.enabled else None)
     else:
         dp = central_dp
+    if cfg.strategy != "fedbuff" and dp is not None:
+        raise ValueError("central DP is supported with server.strategy fedbuff only")
+    if cfg.strategy != "fedbuff" and cfg.robust.aggregator != "mean":
+        raise ValueError("server.robust.aggregator: a robust aggregator needs server.strategy fedbuff")
     return STRATEGIES[cfg.strategy](cfg, weighting, dp)

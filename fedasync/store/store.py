@@ -39,6 +39,8 @@ _RUN_DISPATCH = _RUN_STEP.values(next_task_id=_B("b_next"))
 _APPLIED = update(_U).where(_U.c.run_id == _B("b_run"), _U.c.task_id.in_(_B("b_ids", expanding=True))) \
     .values(applied_in_version=_B("b_v"), pending_params=None)
 _SCHED_SNAPSHOT = update(_RUN).where(_RUN.c.id == _B("b_run")).values(scheduler_state=_B("b_sched"))
+_REJECT = update(_U).where(_U.c.run_id == _B("b_run"), _U.c.task_id == _B("b_task")) \
+    .values(accepted=False, reason=_B("b_reason"), pending_params=None)
 _FORGET_FILTER = update(_U).where(_U.c.run_id == _B("b_run"), _U.c.task_id == _B("b_task")) \
     .values(filter_params=None)
 _INSERT_U, _INSERT_MV, _INSERT_D = insert(_U), insert(_MV), insert(_D)
@@ -318,13 +320,15 @@ class Store:
     def record_reply(self, run_id: int, task_id: int, update_row: dict, dispatch_status: str,
                      new_version: dict | None, loop_state: str, virtual_time: float,
                      privacy: dict | list[dict] | None = None, client_state: dict | None = None,
-                     drop_params: list[int] | None = None, forget_filter_params: int | None = None) -> None:
+                     drop_params: list[int] | None = None, forget_filter_params: int | None = None,
+                     rejected: dict[int, str] | None = None) -> None:
         """One transaction (or part of the open :meth:`batch`): the update (accepted or rejected),
         the dispatch's status, the model version it produced (with the ids of every update
         aggregated into it), the run's current version and resumable loop state, the client's
         privacy spend, the parameters of ``drop_params`` versions forgotten (retention) and the
         ``filter_params`` of task ``forget_filter_params`` (the same client's update the filter
-        remembered until this one)."""
+        remembered until this one), and the buffered updates ``rejected`` ({task id: reason}: an
+        aggregation that made a non-finite model) rewritten rejected, their parameters forgotten."""
         now = time.time()
         row = dict(update_row, run_id=run_id, task_id=task_id, received_wall=now)
         for col, tag in (("pending_params", "u"), ("filter_params", "k")):
@@ -358,6 +362,9 @@ class Store:
             if forget_filter_params is not None:
                 c.execute(_FORGET_FILTER, {"b_run": run_id, "b_task": forget_filter_params})
                 self._recycle.append(f"r{run_id}-k{forget_filter_params}")
+            for t, why in (rejected or {}).items():
+                c.execute(_REJECT, {"b_run": run_id, "b_task": t, "b_reason": why})
+                self._recycle.append(f"r{run_id}-u{t}")
             if spends:
                 c.execute(insert(_PS), spends)
             if client_state:
