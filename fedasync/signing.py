@@ -3,17 +3,21 @@
 A client signs every update it returns; the server verifies it with the public key
 registered for that client before the update can touch the model.
 
-What is signed is :func:`update_message` (version 2): a fixed prefix and the JSON list
-``[run_id, task_id, base_version, params_sha256, num_examples, metrics_sha256]``, where
-``params_sha256`` is :func:`fedasync.server.strategies.params_sha256` of the returned parameters,
-``num_examples`` is :func:`num_examples_of` the reply's metrics (the aggregation weight the server
-uses) and ``metrics_sha256`` is :func:`metrics_digest` of the reply's metrics (everything the client
-reports and the server records: loss, epsilon and the DP accounting). The run and task ids bind a
-signature to one dispatch (a signature cannot be replayed for another task or run); the base
-version binds it to the model the client started from; the hash binds it to the exact arrays
-(key order, dtypes, shapes, bytes); the example count and the metrics digest bind what the server
-weights the update by and records about its privacy. Version 1 (``fedasync-update-v1``, which left
-the metrics out) is no longer accepted.
+What is signed is :func:`update_message` (version 3): a fixed prefix and the JSON list
+``[run_key, run_id, task_id, base_version, params_sha256, num_examples, metrics_sha256]``, where
+``run_key`` is the run's random identifier (32 lowercase hex digits, ``secrets.token_hex(16)``, made
+when the store creates the run, kept on resume, carried by every task), ``params_sha256`` is
+:func:`fedasync.server.strategies.params_sha256` of the returned parameters, ``num_examples`` is
+:func:`num_examples_of` the reply's metrics (the aggregation weight the server uses) and
+``metrics_sha256`` is :func:`metrics_digest` of the reply's metrics (everything the client reports
+and the server records: loss, epsilon and the DP accounting). The run key binds a signature to one
+deployment: ``run_id`` is the store's counter (1 in every fresh store), so without the key a reply
+signed for one deployment verified in another. The run key, run id and task id bind a signature to
+one dispatch (a signature cannot be replayed for another task or run); the base version binds it to
+the model the client started from; the hash binds it to the exact arrays (key order, dtypes, shapes,
+bytes); the example count and the metrics digest bind what the server weights the update by and
+records about its privacy. Versions 1 and 2 (``fedasync-update-v1``/``-v2``: no metrics, no run
+key) are no longer accepted.
 
 Ledger blocks (:mod:`fedasync.serverless.flchain`): :func:`sign_block` signs
 ``b"fedasync-block-v1\\n" + bytes.fromhex(block hash)``; a block carries its signer's raw public
@@ -42,8 +46,9 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-PREFIX = b"fedasync-update-v2\n"
+PREFIX = b"fedasync-update-v3\n"
 _CLIENT_PUB = re.compile(r"^client-(\d+)\.pub$")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX128 = re.compile(r"[0-9a-f]{128}")
 
@@ -176,38 +181,44 @@ def metrics_digest(metrics: Any) -> str:
 
 
 def update_message(run_id: int, task_id: int, base_version: int, params_sha256: str, num_examples: int,
-                   metrics_sha256: str) -> bytes:
-    """The exact bytes a client signs for one update."""
+                   metrics_sha256: str, *, run_key: str) -> bytes:
+    """The exact bytes a client signs for one update of the run whose random identifier is
+    ``run_key`` (32 lowercase hex digits; anything else raises ValueError)."""
+    if not (isinstance(run_key, str) and _HEX32.fullmatch(run_key)):
+        raise ValueError("run_key: expected 32 lowercase hex digits (the run's random identifier)")
     for name, v in (("params_sha256", params_sha256), ("metrics_sha256", metrics_sha256)):
         if not (isinstance(v, str) and _HEX64.fullmatch(v)):
             raise ValueError(f"{name}: expected 64 lowercase hex digits")
     if isinstance(num_examples, bool) or not isinstance(num_examples, int) or num_examples < 0:
         raise ValueError(f"num_examples: expected a non-negative int, got {num_examples!r}")
-    return PREFIX + json.dumps([int(run_id), int(task_id), int(base_version), params_sha256, num_examples,
-                                metrics_sha256]).encode()
+    return PREFIX + json.dumps([run_key, int(run_id), int(task_id), int(base_version), params_sha256,
+                                num_examples, metrics_sha256]).encode()
 
 
-def reply_message(run_id: int, task_id: int, base_version: int, params_sha256: str, metrics: Any) -> bytes:
+def reply_message(run_id: int, task_id: int, base_version: int, params_sha256: str, metrics: Any, *,
+                  run_key: str) -> bytes:
     """:func:`update_message` of a reply with these ``metrics`` (its weight and its metrics digest)."""
     return update_message(run_id, task_id, base_version, params_sha256, num_examples_of(metrics),
-                          metrics_digest(metrics))
+                          metrics_digest(metrics), run_key=run_key)
 
 
 def sign_update(key: Ed25519PrivateKey, run_id: int, task_id: int, base_version: int, params_sha256: str,
-                metrics: dict) -> bytes:
-    """Sign an update: its parameters' hash and the ``metrics`` it is sent with (sign last: the
-    metrics must not change after this)."""
-    return key.sign(reply_message(run_id, task_id, base_version, params_sha256, metrics))
+                metrics: dict, *, run_key: str) -> bytes:
+    """Sign an update of the run ``run_key`` (the task's ``run_key``): its parameters' hash and the
+    ``metrics`` it is sent with (sign last: the metrics must not change after this)."""
+    return key.sign(reply_message(run_id, task_id, base_version, params_sha256, metrics, run_key=run_key))
 
 
 def verify_update(key: Ed25519PublicKey, signature: bytes | None, run_id: int, task_id: int,
-                  base_version: int, params_sha256: str, metrics: Any) -> bool:
-    """True iff ``signature`` is ``key``'s signature over this update and exactly these
-    ``metrics`` (the server passes the metrics it uses). Never raises."""
+                  base_version: int, params_sha256: str, metrics: Any, *, run_key: str | None) -> bool:
+    """True iff ``signature`` is ``key``'s signature over this update of the run ``run_key`` (the
+    verifier's own run: a reply signed for another run fails) and exactly these ``metrics`` (the
+    server passes the metrics it uses). Never raises; a missing or malformed ``run_key`` is False."""
     if not isinstance(signature, (bytes, bytearray)) or len(signature) != 64:
         return False
     try:
-        key.verify(bytes(signature), reply_message(run_id, task_id, base_version, params_sha256, metrics))
+        key.verify(bytes(signature), reply_message(run_id, task_id, base_version, params_sha256, metrics,
+                                                   run_key=run_key))
     except (InvalidSignature, ValueError, TypeError):
         return False
     return True

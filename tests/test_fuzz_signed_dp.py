@@ -67,7 +67,7 @@ def _sign(r, config, key=None, **over):
     ids.update(over)
     key = KEYS[int(config["client_id"])] if key is None else key
     r["signature"] = sign_update(key, ids["run_id"], ids["task_id"], ids["base_version"],
-                                 params_sha256(r["params"]), r["metrics"])
+                                 params_sha256(r["params"]), r["metrics"], run_key=config["run_key"])
     return r
 
 

@@ -37,19 +37,19 @@ def test_sign_verify_round_trip_and_binding():
     pub = key.public_key()
     sha = "ab" * 32
     m = {"num_examples": 40, "loss": 0.5}
-    sig = sign_update(key, 3, 17, 5, sha, m)
-    assert verify_update(pub, sig, 3, 17, 5, sha, m)
+    sig = sign_update(key, 3, 17, 5, sha, m, run_key=RK)
+    assert verify_update(pub, sig, 3, 17, 5, sha, m, run_key=RK)
     # every signed field is bound: another run, task, base version or parameters fails
     for args in [(4, 17, 5, sha), (3, 18, 5, sha), (3, 17, 6, sha), (3, 17, 5, "cd" * 32)]:
-        assert not verify_update(pub, sig, *args, m)
-    assert not verify_update(generate_key().public_key(), sig, 3, 17, 5, sha, m)  # another key
-    assert not verify_update(pub, None, 3, 17, 5, sha, m)
-    assert not verify_update(pub, sig[:-1] + bytes([sig[-1] ^ 1]), 3, 17, 5, sha, m)
-    assert not verify_update(pub, b"short", 3, 17, 5, sha, m)
+        assert not verify_update(pub, sig, *args, m, run_key=RK)
+    assert not verify_update(generate_key().public_key(), sig, 3, 17, 5, sha, m, run_key=RK)  # another key
+    assert not verify_update(pub, None, 3, 17, 5, sha, m, run_key=RK)
+    assert not verify_update(pub, sig[:-1] + bytes([sig[-1] ^ 1]), 3, 17, 5, sha, m, run_key=RK)
+    assert not verify_update(pub, b"short", 3, 17, 5, sha, m, run_key=RK)
     with pytest.raises(ValueError):
-        update_message(1, 2, 3, "not-a-sha", 1, "ab" * 32)
+        update_message(1, 2, 3, "not-a-sha", 1, "ab" * 32, run_key=RK)
     with pytest.raises(ValueError, match="num_examples"):
-        update_message(1, 2, 3, sha, -1, "ab" * 32)
+        update_message(1, 2, 3, sha, -1, "ab" * 32, run_key=RK)
 
 
 def test_the_signature_covers_num_examples_and_the_metrics():
@@ -60,17 +60,18 @@ def test_the_signature_covers_num_examples_and_the_metrics():
     sha = "ab" * 32
     m = {"num_examples": 100, "epsilon": 1.5, "delta": 1e-5, "accountant_history": [[1.1, 0.01, 20]],
          "dp_steps": 20, "noise_multiplier": 1.1, "sample_rate": 0.01, "accountant": "rdp"}
-    sig = sign_update(key, 3, 17, 5, sha, m)
-    assert verify_update(pub, sig, 3, 17, 5, sha, dict(m))
+    sig = sign_update(key, 3, 17, 5, sha, m, run_key=RK)
+    assert verify_update(pub, sig, 3, 17, 5, sha, dict(m), run_key=RK)
     # the same metrics after a trip as JSON (tuples become lists, key order changes): still valid
     import json
 
-    assert verify_update(pub, sig, 3, 17, 5, sha, json.loads(json.dumps(dict(reversed(list(m.items()))))))
+    assert verify_update(pub, sig, 3, 17, 5, sha, json.loads(json.dumps(dict(reversed(list(m.items()))))),
+                         run_key=RK)
     for k, v in [("num_examples", 10**9), ("epsilon", 0.1), ("delta", 1e-9), ("accountant_history", []),
                  ("dp_steps", 2), ("loss", 0.0)]:
-        assert not verify_update(pub, sig, 3, 17, 5, sha, dict(m, **{k: v})), k
-    assert not verify_update(pub, sig, 3, 17, 5, sha, {k: v for k, v in m.items() if k != "epsilon"})
-    assert not verify_update(pub, sig, 3, 17, 5, sha, None)
+        assert not verify_update(pub, sig, 3, 17, 5, sha, dict(m, **{k: v}), run_key=RK), k
+    assert not verify_update(pub, sig, 3, 17, 5, sha, {k: v for k, v in m.items() if k != "epsilon"}, run_key=RK)
+    assert not verify_update(pub, sig, 3, 17, 5, sha, None, run_key=RK)
     # the weight is what the server uses: a non-negative int
     from fedasync.signing import num_examples_of
 
@@ -88,11 +89,11 @@ def test_a_signed_reply_verifies_after_the_wire():
     metrics = {"num_examples": 64, "steps": 3, "train_time_s": 0.123456789, "epsilon": 0.7321, "delta": 1e-5,
                "accountant_history": [(1.1, 0.0625, 3)], "dp_steps": 3, "task_id": 7, "client_id": 0}
     result = {"params": params, "metrics": metrics}
-    result["signature"] = sign_update(key, 1, 7, 2, params_sha256(params), result["metrics"])
+    result["signature"] = sign_update(key, 1, 7, 2, params_sha256(params), result["metrics"], run_key=RK)
     got = content_to_result(reply_content(result))
     reply = Reply(task_id=7, params=got["params"], metrics=got["metrics"], signature=got["signature"])
     v = UpdateValidator(REF, ServerConfig(), public_keys={0: key.public_key()})
-    assert v.check(reply, _Live(7, 0, 2), 0, run_id=1, base=REF) is None
+    assert v.check(reply, _Live(7, 0, 2), 0, run_id=1, base=REF, run_key=RK) is None
 
 
 def test_validator_rejects_a_reply_whose_weight_changed_in_transit():
@@ -101,12 +102,12 @@ def test_validator_rejects_a_reply_whose_weight_changed_in_transit():
     v = UpdateValidator(REF, ServerConfig(), public_keys={c: k.public_key() for c, k in keys.items()})
     good = {"w": np.full((3, 2), 0.1, np.float32), "b": np.zeros(2, np.float32)}
     r = _reply(good, keys[1], task=11, base=0, run=7, metrics={"num_examples": 100, "client_id": 1})
-    assert v.check(r, _Live(11, 1, 0), 0, run_id=7, base=REF) is None
+    assert v.check(r, _Live(11, 1, 0), 0, run_id=7, base=REF, run_key=RK) is None
     r.metrics["num_examples"] = 10**9
-    assert v.check(r, _Live(11, 1, 0), 0, run_id=7, base=REF) == "bad_signature"
+    assert v.check(r, _Live(11, 1, 0), 0, run_id=7, base=REF, run_key=RK) == "bad_signature"
     r = _reply(good, keys[1], task=11, base=0, run=7, metrics={"num_examples": 100, "epsilon": 2.0})
     r.metrics["epsilon"] = 0.5  # a DP client's spend, understated in transit
-    assert v.check(r, _Live(11, 1, 0), 0, run_id=7, base=REF) == "bad_signature"
+    assert v.check(r, _Live(11, 1, 0), 0, run_id=7, base=REF, run_key=RK) == "bad_signature"
 
 
 def test_key_files(tmp_path):
@@ -140,11 +141,12 @@ class _Live:
 
 
 REF = {"w": np.zeros((3, 2), np.float32), "b": np.zeros(2, np.float32)}
+RK = "5e" * 16  # a run key (each run's random identifier, which signatures cover)
 
 
 def _reply(params, key=None, task=7, base=2, run=1, metrics=None):
     metrics = metrics or {}
-    sig = sign_update(key, run, task, base, params_sha256(params), metrics) \
+    sig = sign_update(key, run, task, base, params_sha256(params), metrics, run_key=RK) \
         if key is not None and params is not None else None
     return Reply(task_id=task, params=params, metrics=metrics, signature=sig)
 
@@ -155,7 +157,7 @@ def test_validator_reasons():
     v = UpdateValidator(REF, cfg, public_keys={0: public_raw(k0)})
     live = _Live(7, 0, 2)
     good = {"w": np.full((3, 2), 0.1, np.float32), "b": np.zeros(2, np.float32)}
-    assert v.check(_reply(good, k0), live, 0, run_id=1, base=REF) is None
+    assert v.check(_reply(good, k0), live, 0, run_id=1, base=REF, run_key=RK) is None
 
     def with_(**kv):
         d = {k: a.copy() for k, a in good.items()}
@@ -175,14 +177,14 @@ def test_validator_reasons():
         "unknown_client": (_reply(good, k0, metrics={"client_id": 5}), live, 0),
     }
     for reason, (reply, lv, s) in cases.items():
-        assert v.check(reply, lv, s, run_id=1, base=REF) == reason, reason
+        assert v.check(reply, lv, s, run_id=1, base=REF, run_key=RK) == reason, reason
     # a signature for another task, run or base version is a bad signature
-    assert v.check(_reply(good, k0, task=8), live, 0, run_id=1, base=REF) == "bad_signature"
-    assert v.check(_reply(good, k0, run=2), live, 0, run_id=1, base=REF) == "bad_signature"
-    assert v.check(_reply(good, k0, base=1), live, 0, run_id=1, base=REF) == "bad_signature"
+    assert v.check(_reply(good, k0, task=8), live, 0, run_id=1, base=REF, run_key=RK) == "bad_signature"
+    assert v.check(_reply(good, k0, run=2), live, 0, run_id=1, base=REF, run_key=RK) == "bad_signature"
+    assert v.check(_reply(good, k0, base=1), live, 0, run_id=1, base=REF, run_key=RK) == "bad_signature"
     # unsigned, and a client with no registered key
-    assert v.check(_reply(good), live, 0, run_id=1, base=REF) == "bad_signature"
-    assert v.check(_reply(good, k0), _Live(7, 1, 2), 0, run_id=1, base=REF) == "unknown_client"
+    assert v.check(_reply(good), live, 0, run_id=1, base=REF, run_key=RK) == "bad_signature"
+    assert v.check(_reply(good, k0), _Live(7, 1, 2), 0, run_id=1, base=REF, run_key=RK) == "unknown_client"
     # every reason the validator can give is in the documented list
     assert set(cases) <= set(REASONS)
 
@@ -302,7 +304,8 @@ def test_bad_update_battery(tmp_path):
         elif kind == "never_dispatched":
             tr.extra.append(("forged-mid", Reply(task_id=-1, params=p, metrics={"task_id": 999})))
         signer = intruder if kind == "forged" else keys[t.client_id]
-        sig = sign_update(signer, c["run_id"], c["task_id"], c["base_version"], params_sha256(p), metrics)
+        sig = sign_update(signer, c["run_id"], c["task_id"], c["base_version"], params_sha256(p), metrics,
+                          run_key=c["run_key"])
         return Reply(task_id=t.task_id, params=p, metrics=metrics, signature=sig)
 
     cfg = _cfg(max_update_norm=5.0)
@@ -356,7 +359,7 @@ def test_rejected_updates_leave_model_and_version_unchanged(tmp_path):
             k = next(iter(p))
             p[k] = np.full_like(p[k], np.nan) if i % 2 else p[k][:1]
         sig = sign_update(keys[t.client_id], t.config["run_id"], t.task_id, t.config["base_version"],
-                          params_sha256(p), {"num_examples": 5})
+                          params_sha256(p), {"num_examples": 5}, run_key=t.config["run_key"])
         return Reply(task_id=t.task_id, params=p, metrics={"num_examples": 5}, signature=sig)
 
     store = Store(f"sqlite:///{tmp_path / 's.db'}")

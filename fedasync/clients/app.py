@@ -7,7 +7,8 @@ On a real device (``fedasync client``) the SuperNode's node config says who the 
 - ``data-path`` (optional): the device's own ``.npz`` (``x``, ``y``); else its partition is
   generated from the task's setup (the same partitioner and seed as the server);
 - ``signing-key`` (optional): its Ed25519 private key; every update is signed over
-  ``(run id, task id, base version, sha256 of the parameters)``;
+  ``(run key, run id, task id, base version, sha256 of the parameters, its metrics)``
+  (:func:`fedasync.signing.update_message`; the run key is the task's random run identifier);
 - ``device`` (optional): ``auto``, ``cpu``, ``cuda`` or ``mps``, overriding ``train.device``;
 - ``privacy-state-dir`` (optional): where it keeps its DP accountant;
 - ``privacy-policy`` (optional): the device's DP policy as JSON (``fedasync client`` writes it
@@ -103,7 +104,8 @@ def train(msg: Message, context: Context) -> Message:
         # last: the signature covers the metrics as sent (num_examples, loss, epsilon, DP accounting)
         result["signature"] = sign_update(_signing_key(str(key_path)), int(config["run_id"]),
                                           int(config["task_id"]), int(config["base_version"]),
-                                          params_sha256(result["params"]), result.setdefault("metrics", {}))
+                                          params_sha256(result["params"]), result.setdefault("metrics", {}),
+                                          run_key=str(config.get("run_key", "")))  # binds it to this run
     return Message(reply_content(result), reply_to=msg)
 
 

@@ -140,6 +140,7 @@ class AsyncServer:
             self.tail = Tail(cfg.server.average_last, [self.params])
         else:
             resume.restore(self, resume_run_id)
+        self.run_key = store.get_run(self.run_id).run_key  # random, per run: what signed updates cover
         self.model_bytes = int(sum(a.nbytes for a in self.params.values()))
         self.validator = validator or UpdateValidator(self.params, cfg.server, public_keys=public_keys)
         self.base_cache: dict[int, Params] = {self.version: self.params}
@@ -289,7 +290,8 @@ class AsyncServer:
 
     def _task_config(self, tid: int, c: int, base_version: int, dur: float) -> dict[str, Any]:
         conf = {
-            "task_id": tid, "client_id": c, "run_id": self.run_id, "base_version": base_version,
+            "task_id": tid, "client_id": c, "run_id": self.run_id, "run_key": self.run_key,
+            "base_version": base_version,
             "seed": task_seed(self.cfg.seed, tid),
             "sleep_s": dur * self.cfg.clock.time_scale if self.cfg.clock.emulate else 0.0,
             "setup": self.setup_json,
@@ -429,7 +431,8 @@ class AsyncServer:
             reply.metrics = {}
         num_examples = num_examples_of(reply.metrics)  # the weight the signature covers
         base = self.base_cache.get(t.base_version)  # None: a cancelled backup's late reply
-        reason = self.validator.check(reply, t, s, run_id=self.run_id, base=base) if base else ROUND_CLOSED
+        reason = self.validator.check(reply, t, s, run_id=self.run_id, base=base, run_key=self.run_key) \
+            if base else ROUND_CLOSED
         if reason is None and self.privacy is not None:  # a DP reply's accounting, checked before anything changes
             reason = self.privacy.check_reply(t.client_id, reply.metrics)
         if reason is None and t.timed_out and self.cfg.server.late_policy == "reject":

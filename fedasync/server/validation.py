@@ -14,8 +14,10 @@ Each check returns a short, stable reason string that is recorded with the rejec
 2. ``missing_params``: the reply carries no parameters.
    ``bad_num_examples``: its ``num_examples`` is not a whole number in 0..2^31-1 (absent: 0).
 3. ``bad_signature``: signing is on and the reply's signature is missing or is not the
-   registered key's Ed25519 signature over ``(run id, task id, base version, sha256 of the
-   parameters, num_examples, sha256 of the metrics)`` (:func:`fedasync.signing.update_message`),
+   registered key's Ed25519 signature over ``(run key, run id, task id, base version, sha256 of
+   the parameters, num_examples, sha256 of the metrics)`` (:func:`fedasync.signing.update_message`;
+   the run key is the verifying server's own run's random identifier, so a reply signed in another
+   deployment or run is rejected),
    checked against the reply's metrics as the server uses them: the weight
    :func:`fedasync.signing.num_examples_of` and the metrics the privacy accountant records.
    With signing on, a reply rejected ``unknown_client`` or ``bad_signature`` loses its metrics
@@ -145,7 +147,7 @@ class UpdateValidator:
             return "unknown_client"
         return None
 
-    def check_signature(self, reply: Any, live: Any, run_id: int) -> str | None:
+    def check_signature(self, reply: Any, live: Any, run_id: int, run_key: str | None = None) -> str | None:
         if self.public_keys is None:
             return None
         from fedasync.server.strategies import params_sha256
@@ -158,11 +160,13 @@ class UpdateValidator:
         if hasattr(reply, "params_sha256"):
             reply.params_sha256 = sha  # the update's row records it: not hashed twice
         ok = verify_update(self.public_keys[int(live.client_id)], reply.signature, run_id, live.task_id,
-                           live.base_version, sha, getattr(reply, "metrics", None))
+                           live.base_version, sha, getattr(reply, "metrics", None), run_key=run_key)
         return None if ok else "bad_signature"
 
     def check(self, reply: Any, live: Any, staleness: int, run_id: int = 0,
-              base: Params | None = None) -> str | None:
+              base: Params | None = None, run_key: str | None = None) -> str | None:
+        """The reason to reject ``reply`` to task ``live`` (None: valid). ``run_key`` is the run's
+        random identifier that signatures must cover (with signing on, None rejects every reply)."""
         reason = self.check_identity(reply, live)
         if reason:
             return self._unauthenticated(reply, reason)
@@ -170,7 +174,7 @@ class UpdateValidator:
             return "missing_params"
         if bad_num_examples(getattr(reply, "metrics", None)):
             return "bad_num_examples"
-        reason = self.check_signature(reply, live, run_id)
+        reason = self.check_signature(reply, live, run_id, run_key)
         if reason:
             return self._unauthenticated(reply, reason)
         if self.signature_check is not None:

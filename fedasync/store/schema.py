@@ -31,6 +31,9 @@ class Run(Base):
     strategy: Mapped[str] = mapped_column(String(40))
     mode: Mapped[str] = mapped_column(String(20))  # simulation | deployment
     seed: Mapped[int] = mapped_column(Integer)
+    # the run's random identifier (secrets.token_hex(16)), which every signed update covers: it
+    # binds a signature to this run of this store (``id`` is 1 in every fresh store). Migration 0006
+    run_key: Mapped[str | None] = mapped_column(String(32), nullable=True)  # (never NULL: see 0006)
     config_yaml: Mapped[str] = mapped_column(Text)
     status: Mapped[str] = mapped_column(String(20), default="running")  # running|finished|stopped|failed
     stop_reason: Mapped[str | None] = mapped_column(String(200), nullable=True)

@@ -9,6 +9,7 @@ on them (evaluates, dispatches again, reports).
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -117,9 +118,11 @@ class Store:
 
     # -- runs ------------------------------------------------------------------------
     def create_run(self, name: str, strategy: str, seed: int, config_yaml: str, mode: str) -> int:
+        """A new run's id; the run gets a random ``run_key`` (what signed updates are bound to)."""
         with self.session() as s:
             run = S.Run(
                 name=name, strategy=strategy, seed=seed, config_yaml=config_yaml, mode=mode,
+                run_key=secrets.token_hex(16),
                 status="running", created_wall=time.time(), current_version=0, next_task_id=0,
             )
             s.add(run)
