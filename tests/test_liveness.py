@@ -166,7 +166,19 @@ def test_a_run_that_accepts_nothing_stops_with_no_progress(tmp_path, caplog):
     assert 5 <= summary["updates_received"] < 5 + cfg.server.concurrency  # the replies due at that instant
     assert store.get_run(summary["run_id"]).stop_reason == "no_progress"
     lines = [r.getMessage() for r in caplog.records if "max_rejected_in_a_row" in r.getMessage()]
-    assert len(lines) == 1 and "no_progress" in lines[0] and "non_finite" in lines[0]
+    assert len(lines) == 1 and "no_progress" in lines[0] and f"last {summary['updates_received']} replies" in lines[0]
+
+
+def test_a_run_whose_every_aggregation_overflows_stops_with_no_progress(tmp_path):
+    """Every reply is huge: each buffered one is accepted on arrival, then rejected with the buffer.
+    Those later-rejected updates do not count as accepted: the run stops (it ran until the virtual
+    time limit when they reset the count)."""
+    cfg = _cfg("fedbuff", server_lr=10.0, max_rejected_in_a_row=5, max_virtual_time=10_000.0, max_versions=None)
+    server, summary, store = _run(tmp_path / "s.db", cfg, handler(bad=lambda t: True))
+    assert summary["stop_reason"] == "no_progress" and summary["versions"] == 0
+    assert summary["updates_accepted"] == 0 and _finite(server.params)
+    assert 5 <= summary["updates_received"] < 5 + cfg.server.buffer_size + cfg.server.concurrency
+    assert set(summary["rejections"]) == {"non_finite_model"}
 
 
 def test_an_accepted_update_resets_the_count(tmp_path):
@@ -234,14 +246,17 @@ def test_a_resumed_run_drops_the_same_aggregation_and_ends_the_same(tmp_path, n,
         assert summary[k] == ref[k], k
 
 
-def test_the_count_of_rejections_in_a_row_survives_a_resume(tmp_path):
-    cfg = _cfg("fedasync", concurrency=1, max_rejected_in_a_row=6, max_versions=None)
-    fn = handler(bad=lambda t: t >= 2, reply=nan)
+@pytest.mark.parametrize("strategy,reply,crash", [("fedasync", nan, 5), ("fedbuff", huge, 4), ("fedbuff", huge, 5)])
+def test_the_count_of_rejections_in_a_row_survives_a_resume(tmp_path, strategy, reply, crash):
+    """fedasync: NaN replies from task 2 on; fedbuff (K = 2, server_lr 10): huge ones, each pair
+    accepted then discarded together. A crash in the middle: the resumed run stops at the same reply."""
+    cfg = _cfg(strategy, concurrency=1, max_rejected_in_a_row=6, max_versions=None, server_lr=10.0)
+    fn = handler(bad=lambda t: t >= 2, reply=reply)
     _, ref, _ = _run(tmp_path / "ref.db", cfg, fn)
     assert ref["stop_reason"] == "no_progress" and ref["updates_received"] == 2 + 6
     db = tmp_path / "s.db"
     store = Store(f"sqlite:///{db}")
-    _crash_on(store, 5, False)  # after the third rejection in a row
+    _crash_on(store, crash, False)  # after the 2nd or 3rd bad reply
     server = AsyncServer(cfg, LocalTransport(fn), store)
     server._evaluate = lambda: None
     with pytest.raises(Crash):

@@ -583,7 +583,7 @@ def test_the_scheduler_state_is_a_snapshot_plus_the_clients_touched_since(name):
                           _scheduler_snap=None,
                           scheduler=sched, policy=SimpleNamespace(touched=touched, state_dict=dict),
                           clock=SimpleNamespace(now=0.0), exhausted=set(), time_to_target=None,
-                          rejected_in_a_row=0)
+                          liveness=SimpleNamespace(state_dict=dict))
     n, snapshots, sizes, column = 400, 0, [], None
     for step in range(3000):
         c = int(rng.integers(n))

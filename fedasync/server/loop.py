@@ -50,6 +50,7 @@ from fedasync.server.records import Digests, replay_row, update_row
 from fedasync.server.idle import IdleClients
 from fedasync.server.params import Tail, one_blas_thread
 from fedasync.server.policy import Policies
+from fedasync.server.progress import Liveness
 from fedasync.server.retention import Retention
 from fedasync.server.strategies import Update, make_strategy, params_sha256
 from fedasync.server.summary import build_summary, progress_event
@@ -116,7 +117,7 @@ class AsyncServer:
         self.stop_reason: str | None = None
         self.t_wall0 = time.time()
         self.replays = 0
-        self.rejected_in_a_row, self.pending_staleness = 0, {}  # progress.py (buffered task -> its staleness)
+        self.liveness = Liveness()  # the replies since the last accepted update (progress.py)
         self.closed: dict[str, tuple[int, int]] = {}  # message id -> (task id, client id) once handled
         self.cancelled: dict[str, Live] = {}  # wall clock: message id -> a backup task its round dropped
         self._resend: list[Any] = []  # virtual-clock resume: dispatch rows to send again as they were
@@ -456,7 +457,7 @@ class AsyncServer:
         else:
             weight = None
             self.rejections[reason] = self.rejections.get(reason, 0) + 1
-        progress.count(self, reason)
+        progress.taken(self, reason)
         row = update_row(t, reply, version_at_arrival=self.version - (1 if new_version else 0), staleness=s,
                          weight=weight, num_examples=num_examples, reason=reason, now=self.clock.now,
                          pending=reason is None and t.task_id in self.strategy.pending(), params_sha256=digest())

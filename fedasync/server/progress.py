@@ -14,9 +14,10 @@
   loop's counts follow. A central-DP release stays counted (its noise was drawn), and a robust
   filter that remembers each client's last judged update (kardam) keeps remembering it.
 * **A deployment with no client waits, not for ever** (:func:`wait_for_clients`).
-* **A run that accepts nothing stops.** ``srv.rejected_in_a_row`` counts the taken replies since
-  the last accepted update (loop state: it survives a resume); at ``server.max_rejected_in_a_row``
-  (0 or null: never) the run stops with ``stop_reason`` ``no_progress`` and one error line.
+* **A run that accepts nothing stops.** :func:`rejected_in_a_row` counts the taken replies since
+  the last accepted update that still stands (:class:`Liveness`, loop state: it survives a
+  resume); at ``server.max_rejected_in_a_row`` (0 or null: never) the run stops with
+  ``stop_reason`` ``no_progress`` and one error line.
 
 Pure: imports neither Flower nor the database.
 """
@@ -46,49 +47,82 @@ def model_finite(params: dict[str, np.ndarray]) -> bool:
     return all(all_finite(np.asarray(a)) for a in params.values())
 
 
+class Liveness:
+    """What the loop keeps to count the replies taken since the last accepted update that still
+    stands (``srv.received`` numbers the taken replies): the number of the last one accepted and
+    not discarded since (``accepted_at``), of the one that made the current version
+    (``version_at``), and each buffered update's staleness and number (``pending``). An update
+    discarded with a non-finite model no longer counts as accepted: the count then runs from the
+    latest update still standing (the current version's, or a held one's under central DP), so
+    a run whose every aggregation overflows stops too. Loop state (``resume.loop_state``)."""
+
+    def __init__(self) -> None:
+        self.accepted_at = self.version_at = 0
+        self.pending: dict[int, tuple[int, int]] = {}  # buffered task id -> (staleness, reply number)
+        self.logged = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"accepted_at": self.accepted_at, "version_at": self.version_at,
+                "pending": [[t, s, i] for t, (s, i) in self.pending.items()]}
+
+    def load_state_dict(self, d: dict[str, Any] | None, received: int) -> None:
+        """``d`` None (a loop state written before): the count starts again at ``received``."""
+        d = d or {"accepted_at": received, "version_at": received, "pending": []}
+        self.accepted_at, self.version_at = int(d["accepted_at"]), int(d["version_at"])
+        self.pending = {int(t): (int(s), int(i)) for t, s, i in d["pending"]}
+
+
+def rejected_in_a_row(srv: AsyncServer) -> int:
+    """The replies taken since the last accepted update that still stands."""
+    return srv.received - srv.liveness.accepted_at
+
+
 def aggregate(srv: AsyncServer, upd: Update) -> tuple[Any, str | None, dict[int, str]]:
-    """``srv.strategy.add`` of an accepted ``upd``, checked: ``(new model or None, None, {})``, or,
-    when the new model is not finite, ``(None, "non_finite_model", {earlier task: reason})`` with
-    the strategy put back (see the module docstring) and the earlier updates' counts undone."""
+    """``srv.strategy.add`` of an accepted ``upd`` (the reply numbered ``srv.received``), checked:
+    ``(new model or None, None, {})``, or, when the new model is not finite,
+    ``(None, "non_finite_model", {earlier task: reason})`` with the strategy put back (see the
+    module docstring) and the earlier updates' counts undone."""
+    live = srv.liveness
     before = srv.strategy.undo_state()
     new = srv.strategy.add(srv.params, upd, srv.version)
-    if new is None:
-        srv.pending_staleness[upd.task_id] = upd.staleness  # buffered: its staleness, should it be dropped
+    if new is None:  # buffered: kept, should the aggregation it joins be discarded
+        live.pending[upd.task_id] = (upd.staleness, srv.received)
         return None, None, {}
     made_of = srv.strategy.last_aggregated()
+    popped = {t: live.pending.pop(t, None) for t in made_of}
     if model_finite(new):
-        for t in made_of:
-            srv.pending_staleness.pop(t, None)
+        live.version_at = srv.received
         return new, None, {}
     srv.strategy.discard(before)
-    earlier = {t: NON_FINITE_MODEL for t in made_of if t != upd.task_id}
+    earlier = [t for t in made_of if t != upd.task_id]
     for t in earlier:
         srv.accepted -= 1
-        s = srv.pending_staleness.pop(t, None)
-        if s is not None:
-            srv.staleness.remove(s)
+        if popped[t] is not None:  # (None: buffered before a resume from a loop state without it)
+            srv.staleness.remove(popped[t][0])
     srv.rejections[NON_FINITE_MODEL] = srv.rejections.get(NON_FINITE_MODEL, 0) + len(earlier)
+    live.accepted_at = max([live.version_at] + [i for _, i in live.pending.values()])
     log.warning("the update(s) of task(s) %s made a non-finite model: rejected (%s); the model stays at "
                 "version %d", ", ".join(map(str, made_of)), NON_FINITE_MODEL, srv.version)
-    return None, NON_FINITE_MODEL, earlier
+    return None, NON_FINITE_MODEL, {t: NON_FINITE_MODEL for t in earlier}
 
 
-def count(srv: AsyncServer, reason: str | None) -> None:
-    """A taken reply, accepted (``reason`` None) or rejected: the count of rejections in a row."""
+def taken(srv: AsyncServer, reason: str | None) -> None:
+    """A taken reply, accepted (``reason`` None) or rejected."""
     if reason is None:
-        srv.rejected_in_a_row = 0
-        return
-    srv.rejected_in_a_row += 1
-    limit = srv.cfg.server.max_rejected_in_a_row
-    if limit and srv.rejected_in_a_row == limit:
-        log.error("no update accepted in the last %d replies (server.max_rejected_in_a_row; the last one: %s): "
-                  "the run stops (%s)", limit, reason, NO_PROGRESS)
+        srv.liveness.accepted_at = srv.received
 
 
 def stalled(srv: AsyncServer) -> bool:
-    """Whether ``server.max_rejected_in_a_row`` replies in a row were rejected."""
+    """Whether the last ``server.max_rejected_in_a_row`` replies taken have no accepted update that
+    still stands (logged once)."""
     limit = srv.cfg.server.max_rejected_in_a_row
-    return bool(limit) and srv.rejected_in_a_row >= limit
+    if not limit or rejected_in_a_row(srv) < limit:
+        return False
+    if not srv.liveness.logged:
+        srv.liveness.logged = True
+        log.error("no update accepted in the last %d replies (server.max_rejected_in_a_row: %d): the run stops "
+                  "(%s)", rejected_in_a_row(srv), limit, NO_PROGRESS)
+    return True
 
 
 def wait_for_clients(srv: AsyncServer) -> bool:

@@ -72,7 +72,7 @@ def loop_state(srv: AsyncServer) -> LoopState:
         "virtual_time": srv.clock.now,
         "exhausted": sorted(srv.exhausted),
         "time_to_target": srv.time_to_target,
-        "rejected_in_a_row": srv.rejected_in_a_row,  # progress.py: replies since one was accepted
+        "liveness": srv.liveness.state_dict(),  # progress.py: the replies since one was accepted
     }))
     out.scheduler_state = text
     return out
@@ -125,7 +125,6 @@ def restore(srv: AsyncServer, run_id: int) -> None:
         srv.policy.load_state_dict(state.get("policy"), lambda v: store.load_version(run_id, v)[1])
         srv.exhausted = set(state["exhausted"])
         srv.time_to_target = state["time_to_target"]
-        srv.rejected_in_a_row = int(state.get("rejected_in_a_row", 0))  # (a store written before: 0)
         if srv.virtual:
             srv.clock.advance_to(state["virtual_time"])
         else:
@@ -138,7 +137,6 @@ def restore(srv: AsyncServer, run_id: int) -> None:
     # re-add the accepted updates that were still buffered (none produced a version yet)
     for u, params in store.pending_updates(run_id):
         srv.retention.buffered(u.task_id, u.base_version)
-        srv.pending_staleness[u.task_id] = u.staleness
         _, base = store.load_version(run_id, u.base_version)
         srv.strategy.add(srv.params, Update(
             task_id=u.task_id, client_id=u.client_id, params=params, base_params=base,
@@ -166,6 +164,7 @@ def restore(srv: AsyncServer, run_id: int) -> None:
         if row.exhausted:
             srv.exhausted.add(row.client_id)
     sync_counts(srv)
+    srv.liveness.load_state_dict((state or {}).get("liveness"), srv.received)  # (written before: None)
     for v in store.versions(run_id):
         if v.accuracy is not None:
             srv.history.append({"version": v.version, "virtual_time_s": round(v.created_virtual, 6),
