@@ -141,6 +141,12 @@ class RobustConfig(_Section):
         return self
 
 
+class TargetConfig(_Section):  # server.target: reached when metric (a key of the task's evaluate) >= / <= value
+    metric: str = Field(min_length=1)
+    value: float = Field(allow_inf_nan=False)
+    mode: Literal["max", "min"] = "max"
+
+
 class ServerConfig(_Section):
     strategy: Literal["fedasync", "fedbuff", "fedavg"] = "fedbuff"
     concurrency: int = Field(20, gt=0)
@@ -166,7 +172,8 @@ class ServerConfig(_Section):
     max_versions: int | None = Field(None, gt=0)
     max_virtual_time: float | None = Field(None, gt=0)
     max_wall_time: float | None = Field(None, gt=0)
-    target_accuracy: float | None = Field(None, gt=0, le=1)
+    target_accuracy: float | None = Field(None, gt=0, le=1)  # alias of target {accuracy, v, max}
+    target: TargetConfig | None = None
     stop_at_target: bool = False
     # validation / failures
     max_update_norm: float | None = Field(None, gt=0)
@@ -175,6 +182,17 @@ class ServerConfig(_Section):
     poll_interval: float = Field(0.02, gt=0)
     # stop (stop_reason no_progress) after this many taken replies in a row with none accepted; 0/null: never
     max_rejected_in_a_row: int | None = Field(1000, ge=0)
+
+    @model_validator(mode="after")
+    def _one_target(self) -> "ServerConfig":
+        if self.target is not None and self.target_accuracy is not None:
+            raise ValueError("target and target_accuracy both given: give one (target_accuracy: v means "
+                             "target: {metric: accuracy, value: v, mode: max})")
+        return self
+
+    def goal(self) -> TargetConfig | None:  # target, or target_accuracy as {accuracy, v, max}
+        a = self.target_accuracy
+        return self.target if a is None else TargetConfig(metric="accuracy", value=a, mode="max")
 
 
 class ClockConfig(_Section):
@@ -214,6 +232,9 @@ class LocalDPConfig(_Section):
     # opt-in: replies carry each task's mean training loss, computed on private data WITHOUT noise
     # or accounting (not covered by the (epsilon, delta) guarantee)
     report_loss: bool = False
+    # a model Opacus cannot train (BatchNorm, ...): replace those layers with Opacus' ModuleValidator.fix
+    # (BatchNorm -> GroupNorm) on the server's and every client's model alike, instead of refusing the run
+    fix_model: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> "LocalDPConfig":
@@ -304,6 +325,10 @@ class AttackConfig(_Section):
 class Config(_Section):
     name: str = "fedasync"
     seed: int = Field(0, ge=0, lt=2**32)  # numpy's and sklearn's seeds: 0 .. 2**32 - 1
+    # a user task: a module importable from the YAML's folder or the environment, or a path ./my_task.py
+    # (fedasync.task.interface); unset: the built-in task of `data` and `model`
+    task: str | None = Field(None, min_length=1)
+    task_args: dict[str, Any] = {}  # keyword arguments passed to every function of the task
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()

@@ -1,0 +1,89 @@
+"""The built-in data sets and models as a task (``task:`` unset): the same interface as a user's.
+
+``builtin_task(data_cfg, model_cfg, seed)`` wraps :mod:`fedasync.task.data` (the federation of
+``(data, seed)``, cached per process) and :mod:`fedasync.task.models` (``model.name``):
+
+- ``model()``: ``build_model(model_cfg, input_shape, num_classes)``, the shape and class count from
+  the data (or from ``input_shape``/``num_classes`` when given: a device builds the model from what
+  the server sent, without the federation's data);
+- ``load_data(partition_id, num_partitions, data_path=None)``: the client's partition and the
+  held-out test set as ``TensorDataset`` (x float32, y int64); with ``data_path`` a device's own
+  ``.npz`` (``data.normalize`` applied; its shape and labels checked against the model), and no test set;
+- ``load_centralized()``: the held-out test set;
+- the default loss (cross-entropy) and metrics (loss, accuracy); no ``train`` override.
+
+Its ``digest`` is the sha256 of the data and model sections and the seed (what the task is made of).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import numpy as np
+
+from fedasync.task.interface import Task, TaskError
+
+
+def _check_device_data(path: str, x: np.ndarray, y: np.ndarray, shape: tuple[int, ...], num_classes: int) -> None:
+    """A device's own data must fit the federation's model: the same sample size, labels 0-(C-1)."""
+    if int(np.prod(x.shape[1:])) != int(np.prod(shape)):
+        raise ValueError(f"data.path: {path}: samples of shape {tuple(x.shape[1:])}, but the federation's model "
+                         f"takes samples of shape {tuple(shape)}")
+    if len(y) and int(np.max(y)) >= num_classes:
+        raise ValueError(f"data.path: {path}: label {int(np.max(y))}, but the federation has {num_classes} "
+                         f"classes (labels 0-{num_classes - 1})")
+
+
+def builtin_task(data_cfg: Any, model_cfg: Any, seed: int, input_shape: tuple[int, ...] | None = None,
+                 num_classes: int | None = None) -> Task:
+    """The built-in task of ``data_cfg`` / ``model_cfg`` / ``seed`` (see the module docstring)."""
+    from fedasync.task.data import load_federated
+
+    seed = int(seed)
+    shape_known = input_shape is not None and num_classes is not None
+
+    def fed():
+        return load_federated(data_cfg, seed)
+
+    def shape_classes() -> tuple[tuple[int, ...], int]:
+        if shape_known:
+            return tuple(int(d) for d in input_shape), int(num_classes)
+        f = fed()
+        return tuple(f.input_shape), int(f.num_classes)
+
+    def model():
+        from fedasync.task.models import build_model
+
+        shape, classes = shape_classes()
+        return build_model(model_cfg, shape, classes)
+
+    def load_data(partition_id: int, num_partitions: int, data_path: str | None = None):
+        if data_path:
+            from fedasync.task.data import load_npz, normalize
+
+            x, y = load_npz(data_path)
+            x = normalize(x, data_cfg.normalize)
+            shape, classes = shape_classes()
+            _check_device_data(str(data_path), x, y, shape, classes)
+            return (x, y), (x[:0], y[:0])
+        f = fed()
+        if not 0 <= partition_id < len(f.partitions):
+            raise TaskError(f"task builtin: load_data: partition {partition_id} is outside "
+                            f"0-{len(f.partitions) - 1} (data.num_clients {len(f.partitions)})")
+        return f.partitions[partition_id], (f.x_test, f.y_test)
+
+    def load_centralized():
+        f = fed()
+        return f.x_test, f.y_test
+
+    spec = {"data": data_cfg.model_dump(mode="json"), "model": model_cfg.model_dump(mode="json"), "seed": seed}
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+    task = Task(name="builtin", digest=digest, args={},
+                fns={"model": model, "load_data": load_data, "load_centralized": load_centralized},
+                num_classes=int(num_classes) if num_classes is not None else None)
+    if num_classes is None:
+        # the class count is the data's; read lazily (the label-flip attack asks for it)
+        task.num_classes = None
+    return task

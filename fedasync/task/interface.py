@@ -1,0 +1,393 @@
+"""The task interface: what is learned, as a user's Python module (issue 33).
+
+A task is a module (or any object: a notebook's namespace, a class instance) with these functions;
+``task_args`` (the YAML's ``task_args:``) are passed as keyword arguments:
+
+- ``model(**task_args) -> torch.nn.Module`` (required);
+- ``load_data(partition_id, num_partitions, **task_args) -> (train, test)`` (required): each a
+  ``torch.utils.data.Dataset`` or ``(x, y)`` arrays (wrapped as a ``TensorDataset``: floating
+  arrays as float32, integer arrays as int64); a device's ``--data`` reaches it as ``data_path=``;
+- ``load_centralized(**task_args) -> Dataset | (x, y)`` (optional): the server's evaluation set;
+- ``loss(model, batch) -> Tensor`` (optional; default: cross-entropy of ``model(x)`` on ``(x, y)``
+  batches). A batch is whatever ``default_collate`` makes of the Dataset's items;
+- ``evaluate(model, loader) -> dict[str, float]`` (optional; default ``{"loss", "accuracy"}``);
+- ``train(model, loader, optimizer, steps) -> dict`` (optional): a full override of the local loop;
+  fedasync still owns the optimizer, the step budget, DP-SGD and the proximal term
+  (:func:`fedasync.task.train.local_train`).
+
+``loss``, ``evaluate`` and ``train`` receive those ``task_args`` their signature names (all of them
+when it takes ``**kwargs``). Every loading error is a :class:`TaskError`: one line naming the task
+and the function or key. :func:`task_from_config` is the one way a run gets its task: the Python
+API's object, else ``cfg.task``, else the built-in task of ``cfg.data``/``cfg.model``
+(:mod:`fedasync.task.builtin`), which goes through this same interface.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+__all__ = ["TaskError", "Task", "load_task", "task_from_config", "init_params", "as_dataset", "check_nonempty",
+           "batch_size_of", "to_device", "default_loss", "default_evaluate", "FUNCTIONS"]
+
+#: the functions a task may define; the first two are required
+FUNCTIONS = ("model", "load_data", "load_centralized", "loss", "evaluate", "train")
+_POSITIONAL = {"model": (), "load_data": ("partition_id", "num_partitions"), "load_centralized": (),
+               "loss": ("model", "batch"), "evaluate": ("model", "loader"),
+               "train": ("model", "loader", "optimizer", "steps")}
+
+
+class TaskError(ValueError):
+    """A task that cannot be used; the message is one line naming the task and the function or key."""
+
+
+# -- datasets and batches -------------------------------------------------------------------------
+
+
+def _tensor(a: Any) -> torch.Tensor:
+    if isinstance(a, torch.Tensor):
+        return a
+    arr = np.asarray(a)
+    if arr.dtype.kind == "f":
+        arr = np.array(arr, dtype=np.float32, copy=True)  # a copy: cached arrays are read-only
+    elif arr.dtype.kind in "iub":
+        arr = np.array(arr, dtype=np.int64, copy=True)
+    else:
+        raise TypeError(f"arrays of dtype {arr.dtype} (need numbers)")
+    return torch.from_numpy(arr)
+
+
+def as_dataset(obj: Any, where: str) -> Dataset:
+    """A ``Dataset`` as is; ``(x, y)`` arrays or tensors as a ``TensorDataset`` (x float32 when
+    floating, integer labels int64). ``where`` names the function in the error."""
+    if isinstance(obj, Dataset):
+        if not hasattr(obj, "__len__"):
+            raise TaskError(f"{where}: the Dataset has no len(); fedasync needs map-style Datasets")
+        return obj
+    if isinstance(obj, (tuple, list)) and len(obj) == 2:
+        try:
+            x, y = _tensor(obj[0]), _tensor(obj[1])
+        except TypeError as e:
+            raise TaskError(f"{where}: (x, y) holds {e}") from None
+        if x.ndim == 0 or y.ndim == 0 or len(x) != len(y):
+            raise TaskError(f"{where}: x has {len(x) if x.ndim else 0} rows but y has {len(y) if y.ndim else 0}")
+        return TensorDataset(x, y)
+    raise TaskError(f"{where}: returned {type(obj).__name__}; expected a torch Dataset or (x, y) arrays")
+
+
+def check_nonempty(dataset: Dataset, where: str) -> None:
+    """A Dataset that yields nothing is an error (one line naming ``where``)."""
+    try:
+        n = len(dataset)
+        if n > 0:
+            dataset[0]
+    except TaskError:
+        raise
+    except Exception as e:
+        raise TaskError(f"{where}: the Dataset fails on its first item: {type(e).__name__}: {e}") from None
+    if n == 0:
+        raise TaskError(f"{where}: the Dataset yields nothing (len 0)")
+
+
+def _leaves(batch: Any):
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, dict):
+        for v in batch.values():
+            yield from _leaves(v)
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            yield from _leaves(v)
+
+
+def batch_size_of(batch: Any) -> int:
+    """The number of samples in a batch: the first dimension of its first tensor (0 if none)."""
+    for t in _leaves(batch):
+        return int(t.shape[0]) if t.ndim else 1
+    return 0
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Every tensor of a (nested tuple/list/dict) batch moved to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+# -- the default loss and metrics -------------------------------------------------------------------
+
+
+def _xy(batch: Any, where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(batch, (list, tuple)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise TaskError(f"{where}: the default loss needs (x, y) batches; this Dataset yields "
+                    f"{type(batch).__name__}: define loss(model, batch) in the task")
+
+
+def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """Mean cross-entropy of ``model(x)`` against ``y`` on an ``(x, y)`` batch."""
+    x, y = _xy(batch, "loss")
+    return nn.functional.cross_entropy(model(x), y)
+
+
+@torch.no_grad()
+def default_evaluate(model: nn.Module, loader) -> dict[str, float]:
+    """``{"loss": mean cross-entropy, "accuracy": share of argmax hits}`` over ``(x, y)`` batches."""
+    p = next(model.parameters(), None)
+    device = p.device if p is not None else torch.device("cpu")
+    total, correct, n = 0.0, 0, 0
+    for batch in loader:
+        x, y = _xy(batch, "evaluate")
+        x, y = x.to(device), y.to(device)
+        out = model(x)
+        total += float(nn.functional.cross_entropy(out, y, reduction="sum"))
+        correct += int((out.argmax(1) == y).sum())
+        n += len(y)
+    if n == 0:
+        raise TaskError("evaluate: the evaluation set yields nothing")
+    return {"loss": total / n, "accuracy": correct / n}
+
+
+# -- the task -----------------------------------------------------------------------------------------
+
+
+def _call_kwargs(fn: Callable, args: dict, positional: tuple[str, ...]) -> dict:
+    """The task_args a (loss/evaluate/train) function takes: those it names, all with ``**kwargs``."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(args)
+    return {k: v for k, v in args.items() if k in params and k not in positional}
+
+
+@dataclass
+class Task:
+    """A task as fedasync uses it: the user's functions bound to their ``task_args``.
+
+    ``name``: ``"builtin"`` or the module's name; ``digest``: sha256 of the module's source (of the
+    built-in spec for ``builtin``); ``args``: ``task_args``. ``num_classes`` is known for the built-in
+    task (the label-flip attack needs it) and ``None`` otherwise.
+    """
+
+    name: str
+    digest: str
+    args: dict
+    fns: dict[str, Callable] = field(default_factory=dict, repr=False)
+    num_classes: int | None = None
+
+    @property
+    def train(self) -> Callable | None:
+        """The user's ``train(model, loader, optimizer, steps) -> dict`` override, or None."""
+        fn = self.fns.get("train")
+        if fn is None:
+            return None
+        kw = _call_kwargs(fn, self.args, _POSITIONAL["train"])
+        return (lambda model, loader, optimizer, steps: fn(model, loader, optimizer, steps, **kw)) if kw else fn
+
+    @property
+    def has_loss(self) -> bool:
+        """Whether the task defines its own ``loss`` (Opacus' ghost clipping needs the default one)."""
+        return "loss" in self.fns
+
+    def _where(self, fn: str) -> str:
+        return f"task {self.name}: {fn}"
+
+    def model(self) -> nn.Module:
+        m = self.fns["model"](**self.args)
+        if not isinstance(m, nn.Module):
+            raise TaskError(f"{self._where('model')}(...) returned {type(m).__name__}, not a torch.nn.Module")
+        return m
+
+    def load_data(self, partition_id: int, num_partitions: int, data_path: str | None = None) -> tuple[Dataset, Dataset]:
+        fn = self.fns["load_data"]
+        kw = dict(self.args)
+        if data_path is not None:
+            if not _accepts(fn, "data_path"):
+                raise TaskError(f"{self._where('load_data')} does not accept data_path= (the device's --data): "
+                                "add a data_path=None parameter")
+            kw["data_path"] = str(data_path)
+        out = fn(int(partition_id), int(num_partitions), **kw)
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TaskError(f"{self._where('load_data')}(...) returned {type(out).__name__}; expected (train, test)")
+        where = self._where("load_data")
+        return as_dataset(out[0], f"{where}(...)[0] (train)"), as_dataset(out[1], f"{where}(...)[1] (test)")
+
+    def load_centralized(self) -> Dataset | None:
+        fn = self.fns.get("load_centralized")
+        if fn is None:
+            return None
+        return as_dataset(fn(**self.args), f"{self._where('load_centralized')}(...)")
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        fn = self.fns.get("loss")
+        if fn is None:
+            return default_loss(model, batch)
+        out = fn(model, batch, **_call_kwargs(fn, self.args, _POSITIONAL["loss"]))
+        if not isinstance(out, torch.Tensor) or out.ndim != 0:
+            raise TaskError(f"{self._where('loss')}(model, batch) returned "
+                            f"{type(out).__name__ if not isinstance(out, torch.Tensor) else f'a tensor of shape {tuple(out.shape)}'}"
+                            "; expected a scalar tensor")
+        return out
+
+    def evaluate(self, model: nn.Module, loader) -> dict[str, float]:
+        fn = self.fns.get("evaluate")
+        if fn is None:
+            return default_evaluate(model, loader)
+        out = fn(model, loader, **_call_kwargs(fn, self.args, _POSITIONAL["evaluate"]))
+        if not isinstance(out, dict) or not out:
+            raise TaskError(f"{self._where('evaluate')}(model, loader) returned {type(out).__name__}; "
+                            "expected a non-empty dict of metric name -> number")
+        try:
+            return {str(k): float(v) for k, v in out.items()}
+        except (TypeError, ValueError):
+            raise TaskError(f"{self._where('evaluate')}(model, loader): every metric must be a number, got "
+                            f"{ {k: type(v).__name__ for k, v in out.items()} }") from None
+
+
+def _accepts(fn: Callable, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _check_signature(name: str, fn_name: str, fn: Any, args: dict) -> None:
+    if not callable(fn):
+        raise TaskError(f"task {name}: {fn_name} is {type(fn).__name__}, not a function")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin or C function: nothing to check
+    pos = _POSITIONAL[fn_name]
+    dummy = [None] * len(pos)
+    kw = dict(args) if fn_name in ("model", "load_data", "load_centralized") else {}
+    try:
+        sig.bind(*dummy, **kw)
+    except TypeError as e:
+        want = ", ".join([*pos, *(f"{k}=" for k in kw)]) or "no arguments"
+        raise TaskError(f"task {name}: {fn_name}{sig} cannot be called as {fn_name}({want}) ({e})") from None
+
+
+def _digest_of(obj: Any, fns: dict[str, Callable]) -> str:
+    h = hashlib.sha256()
+    path = getattr(obj, "__file__", None) if isinstance(obj, types.ModuleType) else None
+    if path and Path(path).is_file():
+        h.update(Path(path).read_bytes())
+        return h.hexdigest()
+    for k in FUNCTIONS:
+        if k in fns:
+            try:
+                src = inspect.getsource(fns[k])
+            except (OSError, TypeError):
+                src = getattr(fns[k], "__qualname__", repr(fns[k]))
+            h.update(f"{k}\0{src}\0".encode())
+    return h.hexdigest()
+
+
+def _import(spec: str, base_dir: str | Path | None) -> types.ModuleType:
+    base = Path(base_dir) if base_dir is not None else Path.cwd()
+    if spec.endswith(".py") or "/" in spec or "\\" in spec:
+        path = Path(spec) if Path(spec).is_absolute() else base / spec
+        if not path.is_file():
+            raise TaskError(f"task {spec}: no such file {path}")
+        mod_name = f"fedasync_task_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]}_{path.stem}"
+        ispec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(ispec)
+        sys.modules[mod_name] = module
+        try:
+            ispec.loader.exec_module(module)
+        except Exception as e:
+            sys.modules.pop(mod_name, None)
+            raise TaskError(f"task {spec}: the module does not import: {type(e).__name__}: {e}") from None
+        return module
+    added = str(base.resolve())
+    sys.path.insert(0, added)
+    try:
+        return importlib.import_module(spec)
+    except ModuleNotFoundError as e:
+        if e.name and (spec == e.name or spec.startswith(e.name + ".")):
+            raise TaskError(f"task {spec}: no module named {e.name!r} in {added} or the environment") from None
+        raise TaskError(f"task {spec}: the module does not import: ModuleNotFoundError: {e}") from None
+    except Exception as e:
+        raise TaskError(f"task {spec}: the module does not import: {type(e).__name__}: {e}") from None
+    finally:
+        try:
+            sys.path.remove(added)
+        except ValueError:
+            pass
+
+
+def load_task(spec: Any, task_args: dict | None = None, base_dir: str | Path | None = None) -> Task:
+    """A :class:`Task` from a module name (importable from ``base_dir``, the YAML's folder, or the
+    environment), a path ``./my_task.py`` (relative to ``base_dir``), a module, or any object with
+    the functions. Checks that ``model`` and ``load_data`` exist and that every function's signature
+    takes the documented arguments (and ``task_args``); else :class:`TaskError`."""
+    if isinstance(spec, Task):
+        return spec
+    args = dict(task_args or {})
+    if isinstance(spec, str):
+        if not spec.strip():
+            raise TaskError("task: an empty name")
+        obj: Any = _import(spec.strip(), base_dir)
+        name = spec.strip()
+    else:
+        obj = spec
+        name = getattr(spec, "__name__", None) or type(spec).__name__
+    if isinstance(obj, dict):
+        fns = {k: obj[k] for k in FUNCTIONS if obj.get(k) is not None}
+    else:
+        fns = {k: getattr(obj, k) for k in FUNCTIONS if getattr(obj, k, None) is not None}
+    for required in ("model", "load_data"):
+        if required not in fns:
+            raise TaskError(f"task {name}: no {required} function (a task needs model(**task_args) and "
+                            "load_data(partition_id, num_partitions, **task_args))")
+    for k, fn in fns.items():
+        _check_signature(name, k, fn, args)
+    return Task(name=name, digest=_digest_of(obj, fns), args=args, fns=fns)
+
+
+def task_from_config(cfg: Any, task: Any = None, base_dir: str | Path | None = None) -> Task:
+    """The run's task: ``task`` (a module/object from the Python API) wins; else ``cfg.task`` with
+    ``cfg.task_args``; else the built-in task of ``cfg.data``, ``cfg.model`` and ``cfg.seed``."""
+    args = dict(getattr(cfg, "task_args", None) or {})
+    if task is not None:
+        return load_task(task, args, base_dir)
+    spec = getattr(cfg, "task", None)
+    if spec:
+        return load_task(spec, args, base_dir)
+    from fedasync.task.builtin import builtin_task
+
+    return builtin_task(cfg.data, cfg.model, cfg.seed)
+
+
+def init_params(task: Task, seed: int):
+    """The initial global model of a run: ``task.model()`` built right after ``torch.manual_seed(seed)``
+    (torch's global RNG state is put back afterwards), as float32 numpy arrays keyed like the
+    ``state_dict``. For the built-in task this equals :func:`fedasync.task.models.init_params`."""
+    from fedasync.task.models import get_params
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed))
+        model = task.model()
+    return get_params(model)
