@@ -1,6 +1,7 @@
 """The built-in data sets and models as a task (``task:`` unset): the same interface as a user's.
 
-``builtin_task(data_cfg, model_cfg, seed)`` wraps :mod:`fedasync.task.data` (the federation of
+``builtin_functions(data_cfg, model_cfg, seed)`` (made into a :class:`~fedasync.task.interface.Task`
+by :func:`fedasync.task.interface.builtin_task`; this module does not import the interface) wraps :mod:`fedasync.task.data` (the federation of
 ``(data, seed)``, cached per process) and :mod:`fedasync.task.models` (``model.name``):
 
 - ``model()``: ``build_model(model_cfg, input_shape, num_classes)``, the shape and class count from
@@ -23,8 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from fedasync.task.interface import Task, TaskError
-
 
 def _check_device_data(path: str, x: np.ndarray, y: np.ndarray, shape: tuple[int, ...], num_classes: int) -> None:
     """A device's own data must fit the federation's model: the same sample size, labels 0-(C-1)."""
@@ -36,9 +35,10 @@ def _check_device_data(path: str, x: np.ndarray, y: np.ndarray, shape: tuple[int
                          f"classes (labels 0-{num_classes - 1})")
 
 
-def builtin_task(data_cfg: Any, model_cfg: Any, seed: int, input_shape: tuple[int, ...] | None = None,
-                 num_classes: int | None = None) -> Task:
-    """The built-in task of ``data_cfg`` / ``model_cfg`` / ``seed`` (see the module docstring)."""
+def builtin_functions(data_cfg: Any, model_cfg: Any, seed: int, input_shape: tuple[int, ...] | None = None,
+                      num_classes: int | None = None) -> dict[str, Any]:
+    """The built-in task's ``fns`` (model, load_data, load_centralized), ``digest`` and ``num_classes``
+    (``None`` until known: the data's) for ``data_cfg`` / ``model_cfg`` / ``seed`` (see the module docstring)."""
     from fedasync.task.data import load_federated
 
     seed = int(seed)
@@ -70,7 +70,7 @@ def builtin_task(data_cfg: Any, model_cfg: Any, seed: int, input_shape: tuple[in
             return (x, y), (x[:0], y[:0])
         f = fed()
         if not 0 <= partition_id < len(f.partitions):
-            raise TaskError(f"task builtin: load_data: partition {partition_id} is outside "
+            raise ValueError(f"task builtin: load_data: partition {partition_id} is outside "
                             f"0-{len(f.partitions) - 1} (data.num_clients {len(f.partitions)})")
         return f.partitions[partition_id], (f.x_test, f.y_test)
 
@@ -80,10 +80,5 @@ def builtin_task(data_cfg: Any, model_cfg: Any, seed: int, input_shape: tuple[in
 
     spec = {"data": data_cfg.model_dump(mode="json"), "model": model_cfg.model_dump(mode="json"), "seed": seed}
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
-    task = Task(name="builtin", digest=digest, args={},
-                fns={"model": model, "load_data": load_data, "load_centralized": load_centralized},
-                num_classes=int(num_classes) if num_classes is not None else None)
-    if num_classes is None:
-        # the class count is the data's; read lazily (the label-flip attack asks for it)
-        task.num_classes = None
-    return task
+    return {"fns": {"model": model, "load_data": load_data, "load_centralized": load_centralized},
+            "digest": digest, "num_classes": int(num_classes) if num_classes is not None else None}

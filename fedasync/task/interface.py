@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 __all__ = ["TaskError", "Task", "load_task", "task_from_config", "init_params", "as_dataset", "check_nonempty",
-           "batch_size_of", "to_device", "default_loss", "default_evaluate", "FUNCTIONS"]
+           "batch_size_of", "to_device", "default_loss", "default_evaluate", "builtin_task", "FUNCTIONS"]
 
 #: the functions a task may define; the first two are required
 FUNCTIONS = ("model", "load_data", "load_centralized", "loss", "evaluate", "train")
@@ -376,9 +376,17 @@ def task_from_config(cfg: Any, task: Any = None, base_dir: str | Path | None = N
     spec = getattr(cfg, "task", None)
     if spec:
         return load_task(spec, args, base_dir)
-    from fedasync.task.builtin import builtin_task
-
     return builtin_task(cfg.data, cfg.model, cfg.seed)
+
+
+def builtin_task(data_cfg: Any, model_cfg: Any, seed: int, input_shape: tuple[int, ...] | None = None,
+                 num_classes: int | None = None) -> Task:
+    """The built-in data sets and models as a :class:`Task` named ``builtin``
+    (:mod:`fedasync.task.builtin`); ``input_shape``/``num_classes``: build the model without the data."""
+    from fedasync.task.builtin import builtin_functions
+
+    parts = builtin_functions(data_cfg, model_cfg, seed, input_shape, num_classes)
+    return Task(name="builtin", digest=parts["digest"], args={}, fns=parts["fns"], num_classes=parts["num_classes"])
 
 
 def init_params(task: Task, seed: int):
