@@ -18,7 +18,7 @@ app.command("simulate")(_simulate.simulate)
 app.command("runs")(_runs.runs)
 
 # command groups added by other modules register here
-for _mod in ("privacy", "deploy", "ledger", "gossip"):
+for _mod in ("privacy", "deploy", "ledger", "gossip", "new", "task"):
     try:
         _m = __import__(f"fedasync.cli.{_mod}", fromlist=["register"])
     except ModuleNotFoundError as e:
