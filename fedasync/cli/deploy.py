@@ -17,8 +17,10 @@ the clients' signing keys (``deploy.public_keys``), and ``fedasync client`` its 
 Flower's ``flower-supernode`` with a shorter poll, and a warm trainer, :mod:`fedasync.clients.warm`)
 on its own local port (``--port``, else a free one, checked before it starts); the node config
 carries ``partition-id``, ``num-partitions``, ``data-path``, ``signing-key``,
-``device``, ``privacy-state-dir`` and ``privacy-policy`` (the device's DP policy from
-``--privacy-policy``/``--dp-*``, written as JSON in the state dir; see ``fedasync.clients.app``).
+``device``, ``privacy-state-dir``, ``privacy-policy`` (the device's DP policy from
+``--privacy-policy``/``--dp-*``, written as JSON in the state dir; see ``fedasync.clients.app``)
+and ``task`` (``--task``: the device's own task module, checked here: it imports and loads this
+device's data, else one line and exit 2).
 
 Everything Flower keeps (its CLI config, the SuperLink's apps) lives in ``<out>/flwr/`` unless
 ``FLWR_HOME`` is set; the Flower app submitted is a generated ``pyproject.toml`` only (the
@@ -104,12 +106,38 @@ def default_privacy_state_dir() -> Path:
     return Path(base) / "fedasync" / "privacy"
 
 
+def _device_task_or_exit(spec: str, partition_id: int, num_partitions: int, data: Optional[Path]) -> str:
+    """``--task``: the spec the ClientApp imports, as given (the server compares its name with its own);
+    exit 2 with the TaskError line when the module does not import, lacks a function, or cannot load
+    this device's data."""
+    from fedasync.task.interface import TaskError, check_nonempty, load_task
+
+    if data is not None and not data.exists():
+        fail(f"--data: {data}: no such file or directory")
+    try:
+        t = load_task(spec)
+        train, _ = t.load_data(partition_id, num_partitions, data_path=None if data is None else str(data.resolve()))
+        check_nonempty(train, f"task {t.name}: load_data(...)[0] (train)")
+    except TaskError as e:
+        fail(f"--task: {e}")
+    except Exception as e:  # the user's own code failed on this device's data
+        fail(f"--task: task {spec}: load_data({partition_id}, {num_partitions}"
+             f"{'' if data is None else ', data_path=...'}) raised {type(e).__name__}: {e}")
+    return spec
+
+
 def client(
     superlink: str = typer.Option(..., "--superlink", help="The SuperLink's HOST:PORT."),
     partition_id: int = typer.Option(..., "--partition-id", help="This device's client id (0..N-1)."),
     num_partitions: int = typer.Option(..., "--num-partitions", help="Number of clients N (data.num_clients)."),
     data: Optional[Path] = typer.Option(None, "--data", help="This device's .npz (x, y); default: its partition "
-                                        "generated from the server's setup."),
+                                        "generated from the server's setup. With --task: any file or folder, "
+                                        "passed to the task's load_data as data_path."),
+    task: Optional[str] = typer.Option(None, "--task", help="The task module this device trains (e.g. "
+                                       "my_project.task, or ./my_task.py), imported from this environment (and "
+                                       "this directory); it "
+                                       "must be the server's task (same name and source), else the device "
+                                       "refuses its tasks."),
     root_certificates: Optional[Path] = typer.Option(None, "--root-certificates",
                                                      help="CA certificate (ca.crt) to verify the SuperLink."),
     insecure: bool = typer.Option(False, "--insecure", help="Plain HTTP, no TLS (tests on one machine only)."),
@@ -184,11 +212,13 @@ def client(
     if signing_key is None and not no_signing:
         fail("--signing-key: updates are signed by default: pass --signing-key client-<i>.key "
              "(from `fedasync keys gen`), or --no-signing")
-    for opt, p in (("--data", data), ("--root-certificates", root_certificates), ("--auth-key", auth_key),
-                   ("--signing-key", signing_key)):
+    for opt, p in (("--data", data if task is None else None), ("--root-certificates", root_certificates),
+                   ("--auth-key", auth_key), ("--signing-key", signing_key)):
         if p is not None and not p.is_file():
             fail(f"{opt}: {p}: no such file")
-    if data is not None:
+    if task is not None:  # the device's own task: it must import and load this device's data now
+        task = _device_task_or_exit(task, partition_id, num_partitions, data)
+    elif data is not None:
         from fedasync.task.data import load_npz
 
         try:
@@ -232,7 +262,7 @@ def client(
                 raise DeployError(f"{e} (another SuperNode?): give another --port, or none for a free one") from None
         cmd = supernode_command(superlink, partition_id, num_partitions, data, root_certificates, insecure, auth_key,
                                 signing_key, port, device, privacy_state_dir, max_wait_time, poll_interval, warm,
-                                privacy_policy=policy_path)
+                                privacy_policy=policy_path, task=task)
     except DeployError as e:
         fail(str(e), e.code)
     try:  # written once every input is checked

@@ -182,7 +182,7 @@ def supernode_command(superlink: str, partition_id: int, num_partitions: int, da
                       port: Optional[int] = None, device: Optional[str] = None,
                       privacy_state_dir: Optional[Path] = None, max_wait_time: Optional[float] = None,
                       poll_interval: float = 1.0, warm: bool = True,
-                      privacy_policy: Optional[Path] = None) -> list[str]:
+                      privacy_policy: Optional[Path] = None, task: Optional[str] = None) -> list[str]:
     """The command line of one device's SuperNode: Flower's ``flower-supernode`` run by
     :mod:`fedasync.deploy.supernode` (its idle poll every ``poll_interval`` seconds; ``warm``: a
     warm trainer next to it instead of a new ``flwr-clientapp`` process per message)."""
@@ -197,6 +197,8 @@ def supernode_command(superlink: str, partition_id: int, num_partitions: int, da
         node["privacy-state-dir"] = str(privacy_state_dir.resolve())
     if privacy_policy is not None:  # the device's DP policy (fedasync.privacy.policy), as JSON
         node["privacy-policy"] = str(privacy_policy.resolve())
+    if task is not None:  # the device's own task module (fedasync.task.interface), imported by its ClientApp
+        node["task"] = task
     node_config = " ".join(f"{k}={json.dumps(v)}" for k, v in node.items())
     if not 0 < poll_interval <= MAX_POLL_INTERVAL:  # inf or 1e300: Flower would sleep for ever
         raise DeployError(f"--poll-interval: {poll_interval:g} is not in (0, {MAX_POLL_INTERVAL}] seconds")
