@@ -263,3 +263,134 @@ def test_masked_urls_hide_only_the_password():
     assert mask_url(PG_URL) == MASKED == shown(PG_URL)
     assert mask_url("sqlite:////tmp/x/fedasync.db") == "sqlite:////tmp/x/fedasync.db"
     assert mask_url("postgresql://u@h/db") == "postgresql://u@h/db" and mask_url(None) is None
+
+
+# -- server-less runs (ledger, gossip) ------------------------------------------------------------
+
+LEDGER_SMALL = ["data.num_clients=3", "server.concurrency=3", "server.buffer_size=2", "train.local_steps=2",
+                "server.eval_every=1"]
+
+
+def _pg_stand_in(monkeypatch, db: Path):
+    """``serverless.runs.open_store(PG_URL)`` opens the SQLite file ``db``; the store's ``url`` stays
+    ``PG_URL`` (what every summary, line and error would show)."""
+    import fedasync.serverless.runs as runs
+    from fedasync.store import Store
+
+    def open_store(url, must_exist=False):
+        st = Store(f"sqlite:///{db}" if url == PG_URL else url)
+        st.url = url
+        return st
+
+    monkeypatch.setattr(runs, "open_store", open_store)
+    import fedasync.cli.common as common
+
+    monkeypatch.setattr(common, "check_store_or_exit", lambda url, key, must_exist=False: None)  # no server here
+
+
+@pytest.mark.parametrize("kind", ["ledger", "gossip"])
+def test_a_serverless_run_masks_the_store_password_and_keeps_its_directory_private(kind, tmp_path, monkeypatch,
+                                                                                   umask_022):
+    from fedasync.cli import app
+
+    _pg_stand_in(monkeypatch, tmp_path / "pg-stand-in.db")
+    out = tmp_path / "run"
+    sets = [a for s in SMALL + LEDGER_SMALL for a in ("--set", s)]
+    r = CliRunner().invoke(app, [kind, "run", "--virtual", "--peers", "3", "--max-steps", "2", "--out", str(out),
+                                 "--store", PG_URL, *sets])
+    assert r.exit_code == 0, r.output
+    printed = r.output.replace("\n", "")
+    assert SECRET not in printed and MASKED in printed  # `; store ...` (and the ledger's `verify with: --store ...`)
+    if kind == "ledger":
+        assert f"verify with: fedasync ledger verify --store {MASKED}" in printed
+    summary = (out / "summary.json").read_text()
+    assert SECRET not in summary and json.loads(summary)["store_url"] == MASKED
+    _assert_private(out)  # run directory 0700; summary, history, plots, config 0600
+
+
+def test_a_serverless_run_directory_with_its_store_is_private(tmp_path, umask_022):
+    from fedasync.cli import app
+
+    out = tmp_path / "run"
+    sets = [a for s in SMALL + LEDGER_SMALL for a in ("--set", s)]
+    r = CliRunner().invoke(app, ["ledger", "run", "--virtual", "--peers", "3", "--max-steps", "2", "--out", str(out),
+                                 *sets])
+    assert r.exit_code == 0, r.output
+    assert "fedasync.db" in _modes(out)
+    _assert_private(out)  # the store (default <out>/fedasync.db) too
+
+
+def test_serverless_errors_mask_the_store_password(tmp_path):
+    from fedasync.serverless.common import ServerlessError
+    from fedasync.serverless.runs import find_run
+    from fedasync.store import Store
+
+    st = Store(f"sqlite:///{tmp_path / 's.db'}")
+    st.url = PG_URL
+    for kind in ("ledger", "gossip"):
+        with pytest.raises(ServerlessError) as e:
+            find_run(st, kind, 7, running_only=False)
+        assert SECRET not in str(e.value) and MASKED in str(e.value)
+    with pytest.raises(KeyError) as e:  # the store's own message
+        st.get_run(7)
+    assert SECRET not in str(e.value) and MASKED in str(e.value)
+
+
+def test_privacy_report_errors_mask_the_store_password(tmp_path, monkeypatch):
+    import fedasync.cli.privacy as privacy
+    from fedasync.cli import app
+    from fedasync.store import Store
+
+    st = Store(f"sqlite:///{tmp_path / 's.db'}")
+    st.url = PG_URL
+    monkeypatch.setattr(privacy, "store_or_exit", lambda url, key, must_exist=False: st)
+    r = CliRunner().invoke(app, ["privacy", "report", "--store", PG_URL])  # no runs
+    assert r.exit_code == 2 and SECRET not in r.output and MASKED in r.output.replace("\n", ""), r.output
+    st.create_run("x", "fedbuff", 0, "{}", "simulate")
+    r = CliRunner().invoke(app, ["privacy", "report", "--store", PG_URL, "--run", "9"])
+    assert r.exit_code == 2 and SECRET not in r.output and MASKED in r.output.replace("\n", ""), r.output
+
+
+@pytest.mark.parametrize("kind", ["ledger", "gossip"])
+def test_peer_processes_get_the_store_url_in_their_environment_not_on_their_command_line(kind, tmp_path,
+                                                                                        monkeypatch, umask_022):
+    """``ps`` shows every user a process's command line; only its owner reads its environment."""
+    import fedasync.serverless.runner as runner
+    from fedasync.serverless.processes import STORE_ENV
+
+    started = []
+
+    class Exited:
+        pid = 0
+
+        def poll(self):
+            return 1
+
+    def spawn(argv, log_path, env=None):
+        started.append((list(argv), dict(env or {})))
+        return Exited()
+
+    monkeypatch.setattr(runner, "spawn", spawn)
+    url = f"sqlite:///{tmp_path / 'peers.db'}"
+    cfg = small_config(*LEDGER_SMALL)
+    run = runner.run_ledger if kind == "ledger" else runner.run_gossip
+    with pytest.raises(runner.ServerlessError, match="exited before the run started"):
+        run(cfg, url, 3, tmp_path / "out", peer_grace_s=0.1)
+    assert len(started) == 3
+    for argv, env in started:
+        assert url not in " ".join(argv) and "--store" not in argv, argv
+        assert env.get(STORE_ENV) == url
+    out = tmp_path / "out"
+    loose = {p: oct(m) for p, m in _modes(out).items()
+             if not p.endswith(".pub") and m != (0o700 if (out / p).is_dir() else 0o600)}
+    assert not loose, loose  # run directory, config.yaml, private keys, logs (a public key may be read)
+
+
+def test_a_peer_reads_its_store_from_the_environment(tmp_path):
+    from fedasync.cli import app
+    from fedasync.serverless.processes import STORE_ENV
+
+    missing = f"sqlite:///{tmp_path / 'none.db'}"
+    for kind in ("ledger", "gossip"):
+        r = CliRunner().invoke(app, [kind, "peer", "--peer-id", "0"], env={STORE_ENV: missing})
+        assert r.exit_code == 2 and "--store: no database at" in r.output and "none.db" in r.output, r.output

@@ -10,7 +10,8 @@ from typing import Optional
 import typer
 
 from fedasync.cli.common import console, fail, load_or_exit, progress_bars, quiet_flower
-from fedasync.cli.peers import STORE_HELP, Bar, default_store, prepare, user_errors, write_and_print
+from fedasync.cli.peers import PEER_STORE_HELP, STORE_HELP, Bar, default_store, prepare, user_errors, write_and_print
+from fedasync.serverless.processes import STORE_ENV
 
 TOPOLOGY_HELP = "ring | torus | exponential | complete | random-k"
 
@@ -58,44 +59,48 @@ def run(
     """Start N gossip peers; report the average model's accuracy, min/max peer accuracy and consensus distance.
 
     The step order is the config's gossip.step_order (paper: AD-PSGD; symmetric)."""
-    from fedasync.serverless.runs import open_store
+    from fedasync.private import private_umask
 
-    cfg, out = prepare(config, set_, peers, out, time_budget, virtual, "gossip", spawn, store,
-                       lambda cfg: _check_topology(topology, degree, cfg.data.num_clients, cfg.seed))
-    url = default_store(store, out)
-    quiet_flower(False)
-    t0 = time.time()
-    with user_errors(), progress_bars() as bars:
-        bar = Bar(bars, f"gossip {topology} ({cfg.data.num_clients} peers{', virtual' if virtual else ''})", "events")
-        if virtual:
-            from fedasync.serverless.sim import simulate_gossip
+    with private_umask():  # the run directory, store, logs and keys: 0700/0600, whatever the umask
+        from fedasync.serverless.runs import open_store
 
-            summary = simulate_gossip(cfg, open_store(url), topology, degree, max_steps=max_steps,
-                                      eval_every=eval_every, progress=bar)
-        else:
-            from fedasync.serverless.runner import run_gossip
+        cfg, out = prepare(config, set_, peers, out, time_budget, virtual, "gossip", spawn, store,
+                           lambda cfg: _check_topology(topology, degree, cfg.data.num_clients, cfg.seed))
+        url = default_store(store, out)
+        quiet_flower(False)
+        t0 = time.time()
+        with user_errors(), progress_bars() as bars:
+            bar = Bar(bars, f"gossip {topology} ({cfg.data.num_clients} peers{', virtual' if virtual else ''})",
+                      "events")
+            if virtual:
+                from fedasync.serverless.sim import simulate_gossip
 
-            summary = run_gossip(cfg, url, cfg.data.num_clients, out, topology, degree, max_steps=max_steps,
-                                 eval_every=eval_every, emulate=emulate_speeds, progress=bar,
-                                 spawn_peers=spawn)
-    cd = summary["consensus_distance"]
-    rows = [("averaging events", str(summary["averaging_events"])),
-            ("min / max peer accuracy", f"{summary['final_min_peer_accuracy']:.4f} / "
-                                        f"{summary['final_max_peer_accuracy']:.4f}"),
-            ("consensus distance final (max)", f"{cd['final']:.4g} ({cd['max']:.4g})"),
-            ("spectral gap", f"{summary['spectral_gap']:.4g}"), ("step order", summary["step_order"])]
-    if summary.get("privacy"):
-        p = summary["privacy"]
-        rows.append(("ε max / budget", f"{p['epsilon_max']:.3f} / {p.get('epsilon_budget')}"))
-    write_and_print(out, cfg, summary, ["events", "time_s", "accuracy", "loss", "min_accuracy", "max_accuracy",
-                                        "consensus_distance"], "consensus_distance",
-                    f"{cfg.name}: gossip {topology} (seed {cfg.seed})", rows)
-    console.print(f"done in {time.time() - t0:.1f} s")
+                summary = simulate_gossip(cfg, open_store(url), topology, degree, max_steps=max_steps,
+                                          eval_every=eval_every, progress=bar)
+            else:
+                from fedasync.serverless.runner import run_gossip
+
+                summary = run_gossip(cfg, url, cfg.data.num_clients, out, topology, degree, max_steps=max_steps,
+                                     eval_every=eval_every, emulate=emulate_speeds, progress=bar,
+                                     spawn_peers=spawn)
+        cd = summary["consensus_distance"]
+        rows = [("averaging events", str(summary["averaging_events"])),
+                ("min / max peer accuracy", f"{summary['final_min_peer_accuracy']:.4f} / "
+                                            f"{summary['final_max_peer_accuracy']:.4f}"),
+                ("consensus distance final (max)", f"{cd['final']:.4g} ({cd['max']:.4g})"),
+                ("spectral gap", f"{summary['spectral_gap']:.4g}"), ("step order", summary["step_order"])]
+        if summary.get("privacy"):
+            p = summary["privacy"]
+            rows.append(("ε max / budget", f"{p['epsilon_max']:.3f} / {p.get('epsilon_budget')}"))
+        write_and_print(out, cfg, summary, ["events", "time_s", "accuracy", "loss", "min_accuracy", "max_accuracy",
+                                            "consensus_distance"], "consensus_distance",
+                        f"{cfg.name}: gossip {topology} (seed {cfg.seed})", rows)
+        console.print(f"done in {time.time() - t0:.1f} s")
 
 
 def peer(
     config: Optional[str] = typer.Argument(None, help="YAML config; must agree with the run's (default: the run's own)."),
-    store: str = typer.Option(..., "--store", help=STORE_HELP),
+    store: str = typer.Option(..., "--store", envvar=STORE_ENV, show_envvar=False, help=PEER_STORE_HELP),
     peer_id: int = typer.Option(..., "--peer-id", help="This peer's id (0..N-1): its partition, row and profile."),
     run_id: Optional[int] = typer.Option(None, "--run-id", help="The gossip run to join (default: the newest running)."),
     set_: list[str] = typer.Option([], "--set", help="Override a key of CONFIG (repeatable)."),

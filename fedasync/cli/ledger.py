@@ -12,7 +12,18 @@ from rich.markup import escape
 from rich.table import Table
 
 from fedasync.cli.common import console, fail, load_or_exit, progress_bars, quiet_flower
-from fedasync.cli.peers import STORE_HELP, Bar, default_store, fmt4, prepare, user_errors, write_and_print
+from fedasync.cli.peers import (
+    PEER_STORE_HELP,
+    STORE_HELP,
+    Bar,
+    default_store,
+    fmt4,
+    prepare,
+    user_errors,
+    write_and_print,
+)
+from fedasync.private import mask_url
+from fedasync.serverless.processes import STORE_ENV
 
 
 def register(app: typer.Typer) -> None:
@@ -53,43 +64,48 @@ def run(
 
     The genesis block pins the members (peer id, public key); the run's authority key is
     <out>/keys/genesis.key (it alone can admit or remove peers: `fedasync ledger member`)."""
-    from fedasync.serverless.runs import open_store
+    from fedasync.private import private_umask
 
-    def check(cfg) -> None:
-        if peer_keys is not None and (virtual or not peer_keys.is_dir()):
-            fail(f"--peer-keys: {peer_keys} is not a directory" if not virtual else
-                 "--peer-keys: for peer processes, not --virtual")
+    with private_umask():  # the run directory, store, logs and keys: 0700/0600, whatever the umask
+        from fedasync.serverless.runs import open_store
 
-    cfg, out = prepare(config, set_, peers, out, time_budget, virtual, "ledger", spawn, store, check)
-    url = default_store(store, out)
-    quiet_flower(False)
-    t0 = time.time()
-    with user_errors(), progress_bars() as bars:
-        bar = Bar(bars, f"ledger ({cfg.data.num_clients} peers{', virtual' if virtual else ''})", "aggregates")
-        if virtual:
-            from fedasync.serverless.sim import simulate_ledger
+        def check(cfg) -> None:
+            if peer_keys is not None and (virtual or not peer_keys.is_dir()):
+                fail(f"--peer-keys: {peer_keys} is not a directory" if not virtual else
+                     "--peer-keys: for peer processes, not --virtual")
 
-            summary = simulate_ledger(cfg, open_store(url), max_steps=max_steps, progress=bar)
-        else:
-            from fedasync.serverless.runner import run_ledger
+        cfg, out = prepare(config, set_, peers, out, time_budget, virtual, "ledger", spawn, store, check)
+        url = default_store(store, out)
+        quiet_flower(False)
+        t0 = time.time()
+        with user_errors(), progress_bars() as bars:
+            bar = Bar(bars, f"ledger ({cfg.data.num_clients} peers{', virtual' if virtual else ''})",
+                      "aggregates")
+            if virtual:
+                from fedasync.serverless.sim import simulate_ledger
 
-            summary = run_ledger(cfg, url, cfg.data.num_clients, out, max_steps=max_steps, emulate=emulate_speeds,
-                                 progress=bar, spawn_peers=spawn, peer_keys=peer_keys)
-    rows = [("aggregate blocks", str(summary["aggregate_blocks"])), ("update blocks", str(summary["update_blocks"])),
-            ("pending", str(summary["pending"])), ("rejected blocks", str(summary["rejected_blocks"])), ("height conflicts (retried)", str(summary["height_conflicts"])),
-            ("head", summary["head_hash"][:16])]
-    if summary.get("peer_exit_codes") and any(c not in (0, None) for c in summary["peer_exit_codes"]):
-        rows.append(("peer exit codes", str(summary["peer_exit_codes"])))
-    write_and_print(out, cfg, summary, ["version", "height", "time_s", "accuracy", "loss"], None,
-                    f"{cfg.name}: ledger (seed {cfg.seed})", rows)
-    console.print(f"verify with: fedasync ledger verify --store {url} --run-id {summary['run_id']} "
-                  f"--head {summary['head_hash']}", highlight=False, soft_wrap=True, markup=False)
-    console.print(f"done in {time.time() - t0:.1f} s")
+                summary = simulate_ledger(cfg, open_store(url), max_steps=max_steps, progress=bar)
+            else:
+                from fedasync.serverless.runner import run_ledger
+
+                summary = run_ledger(cfg, url, cfg.data.num_clients, out, max_steps=max_steps,
+                                     emulate=emulate_speeds, progress=bar, spawn_peers=spawn, peer_keys=peer_keys)
+        rows = [("aggregate blocks", str(summary["aggregate_blocks"])),
+                ("update blocks", str(summary["update_blocks"])), ("pending", str(summary["pending"])),
+                ("rejected blocks", str(summary["rejected_blocks"])),
+                ("height conflicts (retried)", str(summary["height_conflicts"])), ("head", summary["head_hash"][:16])]
+        if summary.get("peer_exit_codes") and any(c not in (0, None) for c in summary["peer_exit_codes"]):
+            rows.append(("peer exit codes", str(summary["peer_exit_codes"])))
+        write_and_print(out, cfg, summary, ["version", "height", "time_s", "accuracy", "loss"], None,
+                        f"{cfg.name}: ledger (seed {cfg.seed})", rows)
+        console.print(f"verify with: fedasync ledger verify --store {mask_url(url)} --run-id {summary['run_id']} "
+                      f"--head {summary['head_hash']}", highlight=False, soft_wrap=True, markup=False)
+        console.print(f"done in {time.time() - t0:.1f} s")
 
 
 def peer(
     config: Optional[str] = typer.Argument(None, help="YAML config; must agree with the run's (default: the run's own)."),
-    store: str = typer.Option(..., "--store", help=STORE_HELP),
+    store: str = typer.Option(..., "--store", envvar=STORE_ENV, show_envvar=False, help=PEER_STORE_HELP),
     peer_id: int = typer.Option(..., "--peer-id", help="This peer's id (0..N-1): its partition and speed profile."),
     run_id: Optional[int] = typer.Option(None, "--run-id", help="The ledger run to join (default: the newest running)."),
     key: Optional[Path] = typer.Option(None, "--key", help="Ed25519 private key (PEM); created if missing "

@@ -1,5 +1,5 @@
 """Pieces shared by the server-less commands (``fedasync ledger``, ``fedasync gossip``): the
-config for N peers and a new run directory, one-line errors, the progress bar, the summary
+config for N peers and a new run directory (0700), one-line errors, the progress bar, the summary
 table and outputs. Not a command itself."""
 
 from __future__ import annotations
@@ -13,8 +13,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from fedasync.cli.common import console, data_or_exit, fail
+from fedasync.private import mask_url
 
 STORE_HELP = "SQLAlchemy URL of the store (SQLite for one machine, postgresql+psycopg://... for many)."
+#: ``--store`` of a peer: also read from the environment, so that a password stays out of ``ps``
+PEER_STORE_HELP = (STORE_HELP + " Default: the environment variable FEDASYNC_STORE (a URL with a password is "
+                   "better given there: other users of the machine see a command line, not the environment).")
 
 
 @contextmanager
@@ -75,7 +79,9 @@ def prepare(config: Optional[str], set_: list[str], peers: Optional[int], out: O
                       markup=False)
     if out is None:
         out = new_run_dir(Path("runs"), f"{cfg.name}-{kind}")
-    out.mkdir(parents=True, exist_ok=True)
+    from fedasync.private import private_dir
+
+    private_dir(out)  # the store, config (URL), keys and logs go there
     return cfg, out
 
 
@@ -131,5 +137,5 @@ def write_and_print(out: Path, cfg, summary: dict, columns: list[str], extra_plo
 
     paths = write_outputs(out, cfg, summary, columns, extra_plot)
     console.print(summary_table(summary, title, rows))
-    console.print("wrote " + ", ".join(str(p) for p in paths.values()) + f"; store {summary['store_url']}",
+    console.print("wrote " + ", ".join(str(p) for p in paths.values()) + f"; store {mask_url(summary['store_url'])}",
                   markup=False)

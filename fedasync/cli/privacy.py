@@ -12,6 +12,7 @@ from rich import box
 from rich.table import Table
 
 from fedasync.cli.common import console, fail, load_or_exit, store_or_exit
+from fedasync.private import mask_url
 
 privacy_app = typer.Typer(name="privacy", help="Differential privacy: plan budgets, report spend.",
                           no_args_is_help=True, add_completion=False)
@@ -201,11 +202,11 @@ def report(
     try:
         runs = st.list_runs()
         if not runs:
-            fail(f"--store: no runs in {st.url}")
+            fail(f"--store: no runs in {mask_url(st.url)}")
         if run is None:
             run = runs[-1].id
         elif run not in {r.id for r in runs}:
-            fail(f"--run: no run {run} in {st.url} (runs: {', '.join(str(r.id) for r in runs)})")
+            fail(f"--run: no run {run} in {mask_url(st.url)} (runs: {', '.join(str(r.id) for r in runs)})")
         try:
             rows = report_rows(st, run)
         except ValueError as e:

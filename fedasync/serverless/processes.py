@@ -1,4 +1,7 @@
-"""Peer processes: start ``python -m fedasync ...`` in its own process group, stop by PID."""
+"""Peer processes: start ``python -m fedasync ...`` in its own process group, stop by PID.
+
+What a peer must not show on its command line (the store URL, whose password ``ps`` would show
+every user of the machine) goes in its environment (``env``), which only its owner can read."""
 
 from __future__ import annotations
 
@@ -9,12 +12,18 @@ import sys
 import time
 from pathlib import Path
 
+#: the environment variable a peer process reads its store URL from (``--store``'s default)
+STORE_ENV = "FEDASYNC_STORE"
 
-def spawn(argv: list[str], log_path: Path) -> subprocess.Popen:
-    """Start ``python -m fedasync <argv>`` in its own process group, output to ``log_path``."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(log_path, "ab")
-    env = dict(os.environ)
+
+def spawn(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``python -m fedasync <argv>`` in its own process group, output to ``log_path`` (0600,
+    in a 0700 directory), with ``env`` added to this process's environment."""
+    from fedasync.private import open_private, private_dir
+
+    private_dir(log_path.parent)
+    f = open_private(log_path, "ab")
+    env = dict(os.environ, **(env or {}))
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("MKL_NUM_THREADS", "1")
     try:

@@ -13,6 +13,7 @@ import numpy as np
 from sqlalchemy import select
 
 from fedasync.config import Config
+from fedasync.private import mask_url, open_private, private_dir, write_private
 from fedasync.server.strategies import params_sha256
 from fedasync.serverless.flchain import KINDS, ChainView
 from fedasync.serverless.gossip import snapshot
@@ -35,16 +36,18 @@ def stats(xs: list[float]) -> dict:
 
 
 def write_outputs(out: Path, cfg: Config, summary: dict, columns: list[str], extra_plot: str | None = None) -> dict:
-    """summary.json, history.csv (``columns``), accuracy.png (and ``extra_plot`` vs time), config.yaml."""
+    """summary.json, history.csv (``columns``), accuracy.png (and ``extra_plot`` vs time), config.yaml,
+    in ``out`` made 0700; the files fedasync writes itself are 0600 (the plots follow the umask,
+    which the commands hold at 077: :func:`fedasync.private.private_umask`)."""
     import csv
 
     from fedasync.outputs import _plot
 
-    out.mkdir(parents=True, exist_ok=True)
+    private_dir(out)
     paths = {"summary": out / "summary.json", "history": out / "history.csv", "plot": out / "accuracy.png",
              "config": out / "config.yaml"}
-    paths["summary"].write_text(json.dumps(summary, indent=2) + "\n")
-    with paths["history"].open("w", newline="") as f:
+    write_private(paths["summary"], json.dumps(summary, indent=2) + "\n")
+    with open_private(paths["history"], "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         w.writeheader()
         for row in summary["history"]:
@@ -71,7 +74,7 @@ def write_outputs(out: Path, cfg: Config, summary: dict, columns: list[str], ext
         paths["extra"] = out / f"{extra_plot}.png"
         fig.savefig(paths["extra"])
         plt.close(fig)
-    paths["config"].write_text(cfg.to_yaml())
+    write_private(paths["config"], cfg.to_yaml())
     return paths
 
 
@@ -141,7 +144,7 @@ def ledger_summary(cfg: Config, store: Store, run_id: int, view, history: list[d
         "time_to_target_s": None if time_to_target is None else round(time_to_target, 6),
         "staleness": {k: v for k, v in stats(stal).items()},
         "model_sha256": params_sha256(head_params), "head_hash": view.head.hash, "height": view.height,
-        "store_url": store.url,
+        "store_url": mask_url(store.url),
         "stop_reason": stop_reason, "history": history,
     }
     if privacy is not None:
@@ -177,7 +180,7 @@ def gossip_summary(cfg: Config, store: Store, run_id: int, topology: str, degree
         "target_accuracy": cfg.server.target_accuracy,
         "time_to_target_s": None if time_to_target is None else round(time_to_target, 6),
         "model_sha256": params_sha256(last.average) if last is not None else None,
-        "peers_exhausted": sum(1 for r in info if r["exhausted"]), "store_url": store.url,
+        "peers_exhausted": sum(1 for r in info if r["exhausted"]), "store_url": mask_url(store.url),
         "stop_reason": stop_reason, "history": history,
     }
     if privacy is not None:

@@ -2,11 +2,13 @@
 
 ``run_ledger`` / ``run_gossip`` (``fedasync ledger run`` / ``fedasync gossip run``) create the
 run in the store (status ``starting``), start ``spawn`` peer processes here (each ``python -m
-fedasync ledger|gossip peer ... --peer-id i``, for ``i < spawn``; the other peers of the run join
-from elsewhere with the same command), start the run once all ``N`` peers have registered as
+fedasync ledger|gossip peer ... --peer-id i``, for ``i < spawn``, the store URL in its environment
+as ``FEDASYNC_STORE``, not on its command line; the other peers of the run join from elsewhere
+with the same command), start the run once all ``N`` peers have registered as
 ready, and monitor it: they evaluate models as they appear and stop the run (``runs.status``)
 at the target accuracy, the time budget (``server.max_wall_time``) or ``--max-steps``. At the
 end they stop every process they started, by PID, in ``finally`` (wait, SIGTERM, SIGKILL).
+The run directory, its config, logs and keys are private (0700/0600).
 
 ``ledger_peer_loop`` / ``gossip_peer_loop`` (``fedasync ledger|gossip peer``) are one peer. A peer
 stops when the run is no longer ``running``, at the run's ``max_steps``, at its time budget, or
@@ -26,7 +28,8 @@ from typing import Callable
 
 from fedasync.config import Config
 from fedasync.serverless.common import PeerPrivacy, PeerTask, ServerlessError, cap_for_peers, check_serverless
-from fedasync.serverless.processes import spawn, stop_processes
+from fedasync.private import private_dir, write_private
+from fedasync.serverless.processes import STORE_ENV, spawn, stop_processes
 from fedasync.serverless.report import gossip_summary, ledger_summary, record_eval
 from fedasync.serverless.runs import (
     close_peer,
@@ -58,6 +61,7 @@ def _key(path: Path):
     if path.exists():
         return load_private_key(path)
     name = path.name[:-4] if path.name.endswith(".key") else path.name
+    private_dir(path.parent)
     key = generate_key()
     save_keypair(key, path.parent, name)
     return key
@@ -91,11 +95,12 @@ def _check_peer_id(info, peer_id: int) -> None:
 
 
 def _launch(store: Store, run_id: int, n_peers: int, argvs: list[list[str]], logs: Path,
-            start_timeout_s: float, procs: list) -> float:
+            start_timeout_s: float, procs: list, store_url: str) -> float:
     """Start the local peer processes (appended to ``procs``), wait until all ``n_peers`` are
-    ready, start the run; its start time."""
+    ready, start the run; its start time. Each process gets ``store_url`` in its environment
+    (``STORE_ENV``), never on its command line, where ``ps`` shows it to every user."""
     for i, argv in enumerate(argvs):
-        procs.append(spawn(argv, logs / f"peer-{i}.log"))
+        procs.append(spawn(argv, logs / f"peer-{i}.log", env={STORE_ENV: store_url}))
     deadline = time.monotonic() + start_timeout_s
     while True:
         ready = ready_count(store, run_id)
@@ -218,7 +223,7 @@ def run_ledger(cfg: Config, store_url: str, peers: int, out: Path, max_steps: in
     progress = progress or (lambda ev: None)
     store = open_store(store_url)
     max_aggr = max_steps if max_steps is not None else cfg.server.max_versions
-    out.mkdir(parents=True, exist_ok=True)
+    private_dir(out)
     keys = out / "keys"
     members = {i: _key(keys / f"peer-{i}.key") for i in range(n_local)}
     members.update(remote)
@@ -229,7 +234,7 @@ def run_ledger(cfg: Config, store_url: str, peers: int, out: Path, max_steps: in
                            settings={"max_steps": max_aggr, "max_wall_time": cfg.server.max_wall_time,
                                      "emulate": emulate})
     set_starting(store, run_id)
-    (out / "config.yaml").write_text(cfg.to_yaml())
+    write_private(out / "config.yaml", cfg.to_yaml())
     view = ChainView(store, run_id)
     view.refresh()
     history: list[dict] = []
@@ -252,12 +257,12 @@ def run_ledger(cfg: Config, store_url: str, peers: int, out: Path, max_steps: in
         if time_to_target is None and cfg.server.target_accuracy is not None and acc >= cfg.server.target_accuracy:
             time_to_target = t
 
-    argvs = [["ledger", "peer", "--store", store_url, "--peer-id", str(i), "--run-id", str(run_id),
+    argvs = [["ledger", "peer", "--peer-id", str(i), "--run-id", str(run_id),
               "--key", str(keys / f"peer-{i}.key")] + (["--emulate-speeds"] if emulate else [])
              for i in range(n_local)]
     codes: list = []
     try:
-        t0 = _launch(store, run_id, peers, argvs, out / "logs", start_timeout_s, procs)
+        t0 = _launch(store, run_id, peers, argvs, out / "logs", start_timeout_s, procs, store_url)
         evaluate(0, 0)
         while True:
             view.refresh()
@@ -363,14 +368,14 @@ def run_gossip(cfg: Config, store_url: str, peers: int, out: Path, topology: str
     progress = progress or (lambda ev: None)
     store = open_store(store_url)
     eval_every = eval_every or cfg.server.eval_every * cfg.server.buffer_size
-    out.mkdir(parents=True, exist_ok=True)
+    private_dir(out)
     task = PeerTask(cfg)
     t_wall0 = time.time()
     run_id = create_gossip(store, cfg, topology, degree, "wall",
                            {"max_steps": max_steps, "eval_every": eval_every, "max_wall_time": cfg.server.max_wall_time,
                             "emulate": emulate}, task.init)
     set_starting(store, run_id)
-    (out / "config.yaml").write_text(cfg.to_yaml())
+    write_private(out / "config.yaml", cfg.to_yaml())
     history: list[dict] = []
     time_to_target = None
     last = None
@@ -388,11 +393,11 @@ def run_gossip(cfg: Config, store_url: str, peers: int, out: Path, topology: str
         if time_to_target is None and cfg.server.target_accuracy is not None and m.accuracy >= cfg.server.target_accuracy:
             time_to_target = t
 
-    argvs = [["gossip", "peer", "--store", store_url, "--peer-id", str(i), "--run-id", str(run_id)]
+    argvs = [["gossip", "peer", "--peer-id", str(i), "--run-id", str(run_id)]
              + (["--emulate-speeds"] if emulate else []) for i in range(n_local)]
     codes: list = []
     try:
-        t0 = _launch(store, run_id, peers, argvs, out / "logs", start_timeout_s, procs)
+        t0 = _launch(store, run_id, peers, argvs, out / "logs", start_timeout_s, procs, store_url)
         record(0)
         next_eval = eval_every
         while True:

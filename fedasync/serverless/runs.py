@@ -18,6 +18,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from fedasync.config import Config
+from fedasync.private import mask_url
 from fedasync.server.clock import make_profiles
 from fedasync.serverless.common import ServerlessError
 from fedasync.store import Store
@@ -68,7 +69,7 @@ def run_info(store: Store, run_id: int) -> RunInfo:
         row = s.get(SS.ServerlessRun, run_id)
         run = s.get(S.Run, run_id)
         if row is None or run is None:
-            raise ServerlessError(f"--run-id: no ledger or gossip run {run_id} in {store.url}")
+            raise ServerlessError(f"--run-id: no ledger or gossip run {run_id} in {mask_url(store.url)}")
         return RunInfo(run_id, row.kind, row.num_peers, row.topology, json.loads(row.settings_json), row.clock,
                        run.status, run.config_yaml)
 
@@ -78,7 +79,7 @@ def run_summary(store: Store, run_id: int) -> tuple[str, dict | None]:
     with store.session() as s:
         row = s.execute(select(S.Run.status, S.Run.summary_json).where(S.Run.id == run_id)).first()
     if row is None:
-        raise ServerlessError(f"--run-id: no run {run_id} in {store.url}")
+        raise ServerlessError(f"--run-id: no run {run_id} in {mask_url(store.url)}")
     try:
         summary = json.loads(row.summary_json) if row.summary_json else None
     except ValueError:
@@ -94,10 +95,10 @@ def find_run(store: Store, kind: str, run_id: int | None = None, running_only: b
             row = s.get(SS.ServerlessRun, run_id)
             if row is None:
                 ids = sorted(s.scalars(select(SS.ServerlessRun.run_id).where(SS.ServerlessRun.kind == kind)))
-                raise ServerlessError(f"--run-id: no {kind} run {run_id} in {store.url} ({kind} runs: "
+                raise ServerlessError(f"--run-id: no {kind} run {run_id} in {mask_url(store.url)} ({kind} runs: "
                                       f"{', '.join(map(str, ids)) or 'none'})")
             if row.kind != kind:
-                raise ServerlessError(f"--run-id: run {run_id} in {store.url} is a {row.kind} run, not a {kind} run")
+                raise ServerlessError(f"--run-id: run {run_id} in {mask_url(store.url)} is a {row.kind} run, not a {kind} run")
             status = s.scalar(select(S.Run.status).where(S.Run.id == run_id))
             if running_only and status not in ("starting", "running"):
                 raise ServerlessError(f"--run-id: {kind} run {run_id} is {status}: a peer joins only a starting "
@@ -110,7 +111,7 @@ def find_run(store: Store, kind: str, run_id: int | None = None, running_only: b
         rid = s.scalars(q.order_by(SS.ServerlessRun.run_id.desc()).limit(1)).first()
     if rid is None:
         what = f"starting or running {kind} run" if running_only else f"{kind} run"
-        raise ServerlessError(f"no {what} in {store.url}")
+        raise ServerlessError(f"no {what} in {mask_url(store.url)}")
     return int(rid)
 
 

@@ -20,6 +20,7 @@ from sqlalchemy import bindparam, create_engine, event, func, insert, select, up
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from fedasync.private import mask_url
 from fedasync.store import schema as S
 from fedasync.store.blobs import EXTERNAL_MIN_BYTES, BlobFiles, is_marker
 from fedasync.store.codec import pack_parts, unpack_params
@@ -133,7 +134,7 @@ class Store:
         with self.session() as s:
             run = s.get(S.Run, run_id)
             if run is None:
-                raise KeyError(f"no run {run_id} in {self.url}")
+                raise KeyError(f"no run {run_id} in {mask_url(self.url)}")
             return run
 
     def list_runs(self) -> list[S.Run]:
@@ -248,7 +249,7 @@ class Store:
     def _unpack(self, blob: bytes) -> Params:
         if is_marker(blob):
             if self.blobs is None:
-                raise ValueError(f"{self.url}: a row names a parameter file, but only a SQLite file has them")
+                raise ValueError(f"{mask_url(self.url)}: a row names a parameter file, but only a SQLite file has them")
             blob = self.blobs.get(blob)
         return unpack_params(blob)
 
