@@ -563,3 +563,89 @@ def test_grid_transport_builds_each_models_record_once(monkeypatch):
     recs = [m.content["params"] for m in t.grid.sent]  # the shared record of each model, its arrays intact
     assert recs[0] is recs[2] is recs[4] and recs[1] is recs[3] is recs[5] is recs[7] and recs[0] is not recs[1]
     assert [float(r.to_numpy_ndarrays()[0][0]) for r in recs] == [1, 2, 1, 2, 1, 2, 3, 2, 1]
+
+
+@pytest.mark.deploy
+def test_deploy_devices_apply_their_own_dp_policy(tmp_path):
+    """A local-DP run (TLS, node auth, signing: the defaults) with two devices started by
+    ``fedasync client --privacy-policy``: device 0's policy admits the server's plan (sigma 1.2),
+    device 1's asks for more noise (min 5.0). Device 0 trains, its accountant file (in its own state
+    dir) records what it spent; device 1 refuses without training (``privacy_policy``, recorded in
+    the store) and the run completes on device 0 alone."""
+    from fedasync.privacy.budgets import history_steps
+
+    runner = CliRunner()
+    keys, certs = tmp_path / "keys", tmp_path / "certs"
+    assert runner.invoke(cli_app, ["keys", "gen", "--out", str(keys), "--clients", "2"]).exit_code == 0
+    assert runner.invoke(cli_app, ["certs", "gen", "--out", str(certs), "--host", "127.0.0.1"]).exit_code == 0
+    cfg = tmp_path / "dp.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "name": "dp-devices", "seed": 0,
+        "data": {"dataset": "digits", "num_clients": 2, "partitioner": "iid"},
+        "model": {"name": "mlp", "hidden": 16},
+        "train": {"local_steps": 2, "batch_size": 32, "lr": 0.1},
+        "server": {"strategy": "fedasync", "concurrency": 2, "max_versions": 3, "eval_every": 3,
+                   "task_timeout": 600},
+        "privacy": {"local_dp": {"enabled": True, "epsilon": 50.0, "noise_multiplier": 1.2, "max_grad_norm": 1.0,
+                                 "planned_tasks": 10, "accountant": "rdp"}},
+        "deploy": {"public_keys": str(keys), "node_discovery_timeout": 300},
+    }))
+    policies, states = [], []
+    for i, min_noise in enumerate((1.0, 5.0)):  # the plan's 1.2 is enough for device 0, not for device 1
+        p = tmp_path / f"policy-{i}.yaml"
+        p.write_text(yaml.safe_dump({"accountant": "rdp", "epsilon": 100.0, "delta": 1e-5,
+                                     "min_noise_multiplier": min_noise, "max_sample_rate": 0.5,
+                                     "max_grad_norm": 1.0, "allow_report_loss": False}))
+        policies.append(p)
+        states.append(tmp_path / f"state-{i}")
+    home = tmp_path / "flwr"
+    out = tmp_path / "run"
+    link_port, *node_ports = free_ports(3)
+    procs = Processes(home)
+    logs = [tmp_path / f"client-{i}.log" for i in range(2)]
+    try:
+        server = procs.start([FEDASYNC, "server", str(cfg), "--out", str(out), "--certs", str(certs),
+                              "--supernode-auth", str(keys), "--port", str(link_port)],
+                             tmp_path / "server.out", home / "server")
+        wait_for_text(tmp_path / "server.out", "registered 2 SuperNode key(s)", 180, server)
+        for i in range(2):
+            procs.start([FEDASYNC, "client", "--superlink", f"127.0.0.1:{link_port}", "--partition-id", str(i),
+                         "--num-partitions", "2", "--root-certificates", str(certs / "ca.crt"),
+                         "--auth-key", str(keys / f"supernode-{i}.key"), "--signing-key", str(keys / f"client-{i}.key"),
+                         "--privacy-policy", str(policies[i]), "--privacy-state-dir", str(states[i]),
+                         "--port", str(node_ports[i]), "--device", "cpu"],
+                        logs[i], home / f"node-{i}")
+        try:
+            rc = server.wait(timeout=900)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("server did not finish:\n" + (tmp_path / "server.out").read_text()[-3000:]
+                                 + "\n" + (out / "server.log").read_text()[-3000:])
+        assert rc == 0, (tmp_path / "server.out").read_text()[-3000:] + "\n" + (out / "server.log").read_text()[-3000:]
+    finally:
+        procs.stop_all()
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["versions"] == 3
+    from fedasync.store import Store
+
+    store = Store(summary["store_url"], create=False)
+    rid = summary["run_id"]
+    assert store.get_run(rid).status == "finished"
+    ups = store.updates(rid)
+    assert [u.client_id for u in ups if u.accepted] == [0, 0, 0] and not [u for u in ups if u.client_id == 1]
+    refused = [d for d in store.dispatches(rid) if d.client_id == 1]
+    assert refused and all(d.status == "refused" and d.error == "privacy_policy" for d in refused), \
+        [(d.status, d.error) for d in refused]
+    clients = {c.client_id: c for c in store.clients(rid)}
+    assert clients[1].exhausted and clients[1].exhausted_reason == "privacy_policy"
+    assert not clients[0].exhausted
+    # device 0's own record of its spend: one accountant file in its state dir, charged for each task
+    files0 = sorted(states[0].glob("accountant-device-*.json"))
+    assert len(files0) == 1
+    record = json.loads(files0[0].read_text())
+    assert record["accountant"] == "rdp" and record["epsilon"] > 0
+    assert all(sigma == 1.2 for sigma, _q, _n in record["history"])
+    assert history_steps(record["history"]) >= 2 * 3  # 2 steps per task, at least the 3 accepted tasks
+    # device 1 spent nothing: it refused before training, and said why in its own log
+    assert not list(states[1].glob("accountant-*.json"))
+    assert "privacy policy: refused task" in logs[1].read_text(errors="replace")
