@@ -228,11 +228,12 @@ def test_a_simulated_run_directory_is_private(tmp_path, umask_022):
 
 
 def test_a_simulated_run_masks_the_store_password(tmp_path, monkeypatch, umask_022):
-    import fedasync.cli.simulate as sim
     from fedasync.cli import app
 
     _pg_store(monkeypatch, tmp_path / "pg-stand-in.db")
-    monkeypatch.setattr(sim, "check_store_or_exit", lambda url, key, must_exist=False: None)  # no server here
+    import fedasync.store.opening as opening
+
+    monkeypatch.setattr(opening, "probe_store", lambda url, key, must_exist=False: None)  # no server here
     out = tmp_path / "cmp"
     sets = [a for s in SMALL for a in ("--set", s)]
     r = CliRunner().invoke(app, ["simulate", "--backend", "local", "--out", str(out), *sets,
