@@ -14,6 +14,10 @@ On a real device (``fedasync client``) the SuperNode's node config says who the 
 - ``privacy-policy`` (optional): the device's DP policy as JSON (``fedasync client`` writes it
   in the state dir, 0600): which local-DP tasks it accepts and its own budget; a device without
   one refuses every local-DP task (see :mod:`fedasync.privacy.policy`);
+- ``task`` (optional; ``fedasync client --task NAME.task``): the device's own task module, imported
+  from its environment; a task whose module (name or sha256 of its source) differs from the
+  server's is refused ``task_mismatch`` (logged). Without it the device builds the task the setup
+  names: the built-in one, or a user task imported by the server's name and checked the same way;
 - ``deployed`` (``fedasync client`` sets it): a real device, which never derives its DP noise
   from the seed a server sends (a task asking for ``privacy.reproducible_noise`` is refused,
   even from a server that does not mark its tasks ``deployment``).
@@ -93,7 +97,8 @@ def train(msg: Message, context: Context) -> Message:
     state_dir = node_cfg.get("privacy-state-dir") or None  # a device keeps its DP accountant here
     result = handle_train(params, config, data_path=str(data_path) if data_path else None,
                           state_dir=str(state_dir) if state_dir else None,
-                          device_node=deployed or bool(node_cfg.get("deployed")), policy=node_policy(node_cfg))
+                          device_node=deployed or bool(node_cfg.get("deployed")), policy=node_policy(node_cfg),
+                          node_task=str(node_cfg["task"]) if node_cfg.get("task") else None)
     if deployed:
         result.setdefault("metrics", {}).update(task_id=int(config["task_id"]), client_id=int(config["client_id"]))
     key_path = node_cfg.get("signing-key")

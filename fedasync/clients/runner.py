@@ -31,6 +31,7 @@ without training.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import time
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 
 Params = dict[str, np.ndarray]
+TASK_MISMATCH = "task_mismatch"
 
 
 @functools.lru_cache(maxsize=8)
@@ -55,24 +57,68 @@ def _federation(setup_json: str):
     return _federated(json.dumps(s["data"], sort_keys=True), s["seed"])
 
 
+class TaskMismatch(Exception):
+    """This device's task module is not the server's (name or digest): the task is refused."""
+
+
+def setup_task(setup_json: str, node_task: str | None = None, device_node: bool = False):
+    """The :class:`~fedasync.task.interface.Task` a setup names, built on this side.
+
+    The setup carries the task's ``name``, ``digest`` and ``args``, never code. The built-in task
+    (no ``task`` key) is built from the setup's data and model sections. A user task is the one this
+    process holds (the Python API's object, :func:`fedasync.task.interface.remember`), else imported
+    by name: on a device from its own environment (``node_task``, node config ``task``, when given;
+    else the server's name), in simulation also from the setup's ``base_dir``. A module whose name
+    or source digest differs from the server's raises :class:`TaskMismatch`."""
+    return _setup_task(setup_json, node_task or None, bool(device_node))
+
+
 @functools.lru_cache(maxsize=8)
-def _setup(setup_json: str):
-    from fedasync.config import DataConfig, ModelConfig, TrainConfig
-    from fedasync.task.models import build_model
+def _setup_task(setup_json: str, node_task: str | None, device_node: bool):
+    from fedasync.config import DataConfig, ModelConfig
+    from fedasync.task.interface import TaskError, builtin_task, known_task, load_task
+
+    s = json.loads(setup_json)
+    want = s.get("task")
+    if want is None:
+        if node_task:
+            raise TaskMismatch(f"the server runs the built-in task, this device's task is {node_task!r}")
+        shape = tuple(s["input_shape"]) if "input_shape" in s else None
+        task = builtin_task(DataConfig.model_validate(s["data"]), ModelConfig.model_validate(s["model"]), s["seed"],
+                            input_shape=shape, num_classes=s.get("num_classes"))
+        if task.num_classes is None:
+            task.num_classes = int(_federation(setup_json).num_classes)
+    else:
+        name, digest, args = str(want["name"]), str(want["digest"]), dict(want.get("args") or {})
+        task = None if device_node else known_task(name, digest)
+        if task is None:
+            spec = node_task or name
+            if node_task and node_task != name:
+                raise TaskMismatch(f"the server's task is {name!r}, this device's is {node_task!r}")
+            try:
+                task = load_task(spec, args, base_dir=None if device_node else want.get("base_dir"))
+            except TaskError as e:
+                if not device_node:
+                    raise
+                raise TaskMismatch(f"the server's task {name!r} does not load here: {e}") from None
+        if task.digest != digest:
+            raise TaskMismatch(f"task {name}: this side's module (sha256 {task.digest[:12]}) differs from the "
+                               f"server's (sha256 {digest[:12]})")
+        task = dataclasses.replace(task, args=args)
+    return dataclasses.replace(task, fix_model=bool(s.get("fix_model", False)))
+
+
+@functools.lru_cache(maxsize=8)
+def _setup(setup_json: str, node_task: str | None = None, device_node: bool = False):
+    from fedasync.config import TrainConfig
     from fedasync.task.train import pick_device
 
     s = json.loads(setup_json)
-    model_cfg = ModelConfig.model_validate(s["model"])
+    task = setup_task(setup_json, node_task, device_node)
     train_cfg = TrainConfig.model_validate(s["train"])
-    if "input_shape" in s:  # sent by the server: no need for the federation's data here
-        shape, num_classes = tuple(s["input_shape"]), int(s["num_classes"])
-    else:
-        fed = _federation(setup_json)
-        shape, num_classes = fed.input_shape, fed.num_classes
-    DataConfig.model_validate(s["data"])
     device = pick_device(train_cfg.device)
-    model = build_model(model_cfg, shape, num_classes).to(device)
-    return s, num_classes, model, train_cfg, device, tuple(int(d) for d in shape)
+    model = task.model().to(device)
+    return s, task, model, train_cfg, device
 
 
 @functools.lru_cache(maxsize=4)
@@ -85,8 +131,8 @@ def _npz(path: str, mtime_ns: int, size: int, normalize: tuple[float, float] | N
 
 
 def local_data(setup_json: str, client_id: int, data_path: str | None = None):
-    """This client's partition: from a device's own .npz when given (read once while the file is
-    unchanged), else generated from the setup."""
+    """The built-in task's partition as arrays: from a device's own .npz when given (read once while
+    the file is unchanged), else generated from the setup."""
     if data_path:
         import os
 
@@ -99,38 +145,62 @@ def local_data(setup_json: str, client_id: int, data_path: str | None = None):
 def check_device_data(path: str, x: np.ndarray, y: np.ndarray, shape: tuple[int, ...], num_classes: int) -> None:
     """A device's own data must fit the federation's model: the same sample size, labels 0-(C-1)
     (else torch fails deep inside training with a shape or ``Target ... is out of bounds`` error)."""
-    if int(np.prod(x.shape[1:])) != int(np.prod(shape)):
-        raise ValueError(f"data.path: {path}: samples of shape {tuple(x.shape[1:])}, but the federation's model "
-                         f"takes samples of shape {tuple(shape)}")
-    if len(y) and int(np.max(y)) >= num_classes:
-        raise ValueError(f"data.path: {path}: label {int(np.max(y))}, but the federation has {num_classes} "
-                         f"classes (labels 0-{num_classes - 1})")
+    from fedasync.task.builtin import check_device_data as check
+
+    check(path, x, y, shape, num_classes)
 
 
-def warm(setup_json: str, client_id: int | None = None, data_path: str | None = None) -> None:
+@functools.lru_cache(maxsize=16)
+def _train_dataset(setup_json: str, node_task: str | None, device_node: bool, client_id: int,
+                   data_path: str | None, _mtime_ns: int | None = None, _size: int | None = None):
+    from fedasync.task.interface import check_nonempty
+
+    s = json.loads(setup_json)
+    task = setup_task(setup_json, node_task, device_node)
+    num_partitions = int(s["data"]["num_clients"]) if "data" in s else int(s["num_partitions"])
+    train, _test = task.load_data(client_id, num_partitions, data_path)
+    check_nonempty(train, f"task {task.name}: load_data({client_id}, {num_partitions})[0] (train)")
+    return train
+
+
+def train_data(setup_json: str, client_id: int, data_path: str | None = None, node_task: str | None = None,
+               device_node: bool = False):
+    """This client's training Dataset: the task's ``load_data(client_id, num_partitions,
+    data_path=...)[0]`` (a device's own ``--data`` file as ``data_path``), cached per setup, client
+    and file (its mtime and size: a changed file is read again). One that yields nothing is a
+    TaskError naming ``load_data``."""
+    st = None
+    if data_path:
+        import os
+
+        st = os.stat(data_path)
+    return _train_dataset(setup_json, node_task or None, bool(device_node), int(client_id),
+                          str(data_path) if data_path else None,
+                          st.st_mtime_ns if st else None, st.st_size if st else None)
+
+
+def warm(setup_json: str, client_id: int | None = None, data_path: str | None = None,
+         node_task: str | None = None, device_node: bool = False) -> None:
     """Load what a task of this setup needs (data, and the model when it trains on the CPU) into
-    this process's caches, for the task processes forked from it (:mod:`fedasync.clients.warm`).
+    this process's caches, for the task processes forked from it (:mod:`fedasync.clients.warm`);
+    ``node_task``/``device_node`` as :func:`handle_train` gets them, so the forks find the same entries.
     A GPU is never touched here: CUDA does not survive a fork, so a task on ``cuda``/``mps``/
     ``auto`` builds its model in its own process (the data is still shared)."""
     torch.set_num_threads(1)
     s = json.loads(setup_json)
-    fed = _federation(setup_json)
+    data = train_data(setup_json, client_id or 0, data_path, node_task, device_node)
     if str(s.get("train", {}).get("device", "auto")).lower() == "cpu":
         import copy
 
+        from torch.utils.data import Subset
+
         from fedasync.task.train import local_train
 
-        _s, _classes, model, train_cfg, device, _shape = _setup(setup_json)
-        x, y = fed.partitions[0] if fed.partitions else (None, None)
-        if x is not None and len(y):
-            # one step on a copy: torch's lazy set-up (optimizer, autograd) happens here, once,
-            # instead of in every forked task process (seconds each)
-            local_train(copy.deepcopy(model), x[:train_cfg.batch_size], y[:train_cfg.batch_size], train_cfg,
-                        seed=0, device=device)
-    if data_path:
-        local_data(setup_json, client_id or 0, data_path)
-    elif client_id is not None and 0 <= client_id < len(fed.partitions):
-        fed.partitions[client_id]
+        _s, task, model, train_cfg, device = _setup(setup_json, node_task or None, bool(device_node))
+        # one step on a copy: torch's lazy set-up (optimizer, autograd) happens here, once,
+        # instead of in every forked task process (seconds each)
+        first = Subset(data, range(min(len(data), train_cfg.batch_size)))
+        local_train(copy.deepcopy(model), first, train_cfg, seed=0, device=device, task=task)
 
 
 def policy_refusal(policy, pconf: Any) -> str | None:
@@ -144,12 +214,29 @@ def policy_refusal(policy, pconf: Any) -> str | None:
     return check_task(policy, pconf)
 
 
+def _flip(data, task):
+    """The label-flip attack's data: ``(x, C - 1 - y)`` of an ``(x, y)`` TensorDataset with class labels."""
+    from torch.utils.data import TensorDataset
+
+    from fedasync.clients.attack import flip_labels
+
+    if not (isinstance(data, TensorDataset) and len(data.tensors) == 2 and not data.tensors[1].is_floating_point()):
+        raise ValueError(f"attack.kind label_flip: task {task.name}'s data is not (x, y) with class labels")
+    x, y = data.tensors
+    classes = task.num_classes if task.num_classes is not None else int(y.max()) + 1
+    return TensorDataset(x, torch.from_numpy(flip_labels(y.numpy(), classes)))
+
+
 def handle_train(params: Params, config: dict[str, Any], data_path: str | None = None,
-                 state_dir: str | None = None, device_node: bool = False, policy=None) -> dict[str, Any]:
+                 state_dir: str | None = None, device_node: bool = False, policy=None,
+                 node_task: str | None = None) -> dict[str, Any]:
     """``state_dir``: where a real device keeps its privacy accountant (node config
     ``privacy-state-dir``).  ``device_node``: this is a real device (see the module docstring);
     ``policy``: its :class:`~fedasync.privacy.policy.DevicePolicy` (node config ``privacy-policy``),
-    checked before anything else: a task it refuses is ``{"refused": "privacy_policy"}``, logged."""
+    checked before anything else: a task it refuses is ``{"refused": "privacy_policy"}``, logged.
+    ``node_task``: the device's own task module (node config ``task``); a task whose module differs
+    from it (name or source digest, :func:`setup_task`) is refused ``task_mismatch``, logged, before
+    any data is read."""
     from fedasync.task.models import set_params
     from fedasync.task.train import local_train
 
@@ -162,6 +249,13 @@ def handle_train(params: Params, config: dict[str, Any], data_path: str | None =
         from fedasync.privacy.budgets import PrivacyError
 
         raise PrivacyError(REPRODUCIBLE_REFUSED)
+    try:
+        setup_task(config["setup"], node_task, device_node)
+    except TaskMismatch as e:
+        import logging
+
+        logging.getLogger("fedasync.task").warning("task mismatch: refused task %s: %s", config.get("task_id", "?"), e)
+        return {"refused": TASK_MISMATCH, "metrics": {"task_rule": str(e)}}
     if device_node:
         why = policy_refusal(policy, config.get("privacy"))
         if why is not None:
@@ -174,14 +268,10 @@ def handle_train(params: Params, config: dict[str, Any], data_path: str | None =
             return {"refused": POLICY_REFUSED, "metrics": {"policy_rule": why}}
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    _s, num_classes, model, train_cfg, device, shape = _setup(config["setup"])
-    x, y = local_data(config["setup"], int(config["client_id"]), data_path)
-    if data_path:
-        check_device_data(data_path, x, y, shape, num_classes)
+    _s, task, model, train_cfg, device = _setup(config["setup"], node_task or None, bool(device_node))
+    data = train_data(config["setup"], int(config["client_id"]), data_path, node_task, device_node)
     if attack and attack.get("kind") == "label_flip":
-        from fedasync.clients.attack import flip_labels
-
-        y = flip_labels(y, num_classes)
+        data = _flip(data, task)
     dp_metrics: dict[str, Any] = {}
     if pconf and pconf.get("local_dp"):
         # DP-SGD (Opacus): enforce the budget before training, then train privately
@@ -191,17 +281,17 @@ def handle_train(params: Params, config: dict[str, Any], data_path: str | None =
         if device_node:  # its own policy, budget and accountant file; the task's public plan only
             from fedasync.privacy.dp import device_task
 
-            dp = device_task(model, x, y, train_cfg, seed=int(config["seed"]), device=device, pconf=pconf,
-                             policy=policy, state_dir=state_dir)
+            dp = device_task(model, data, None, train_cfg, seed=int(config["seed"]), device=device, pconf=pconf,
+                             policy=policy, state_dir=state_dir, task=task)
         else:
-            dp = private_task(model, x, y, train_cfg, seed=int(config["seed"]), device=device, pconf=pconf,
-                              state_dir=state_dir)
+            dp = private_task(model, data, None, train_cfg, seed=int(config["seed"]), device=device, pconf=pconf,
+                              state_dir=state_dir, task=task)
         if dp.refused is not None:
             return {"refused": dp.refused, "metrics": dp.metrics}
         result, dp_metrics = dp.train, dp.metrics
     else:
         set_params(model, params)
-        result = local_train(model, x, y, train_cfg, seed=int(config["seed"]), device=device)
+        result = local_train(model, data, train_cfg, seed=int(config["seed"]), device=device, task=task)
     if attack and result.params is not None:
         from fedasync.clients.attack import apply_to_reply
 

@@ -226,7 +226,9 @@ class WarmTrainer:
         try:
             node_cfg = dict(context.node_config or {})
             config = task_config(message, node_cfg)
-            key = (config["setup"], int(config.get("client_id", 0)), node_cfg.get("data-path") or None)
+            key = (config["setup"], int(config.get("client_id", 0)), node_cfg.get("data-path") or None,
+                   str(node_cfg["task"]) if node_cfg.get("task") else None,
+                   bool(config.get("deployment")) or bool(node_cfg.get("deployed")))  # as app.train passes them
             if key in self.warmed:
                 return
             warm(*key)

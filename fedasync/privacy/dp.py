@@ -123,8 +123,8 @@ def check_model(model: nn.Module) -> None:
     if problems:
         raise PrivacyError(
             "model: Opacus cannot train this model with DP-SGD: " + "; ".join(problems)
-            + ". Replace BatchNorm with GroupNorm/LayerNorm (fedasync.privacy.dp.make_compatible does it "
-            "with Opacus' ModuleValidator.fix) on the server's and every client's model alike"
+            + ". Set privacy.local_dp.fix_model: true (Opacus' ModuleValidator.fix: BatchNorm -> GroupNorm, on "
+            "the server's and every client's model alike) or replace those layers in the model"
         )
 
 
@@ -222,6 +222,8 @@ class OpacusHook:
     which a client reuses for its next task).  ``sample_rate`` and ``expected_batch_size`` (a
     deployed device): sample at that public ``q`` (``1/k``) and divide the noisy sum by that public
     number, instead of ``1/ceil(n/b)`` and ``n // k`` from the client's own ``n`` records.
+    ``default_loss=False`` (a task with its own ``loss(model, batch)``): ghost clipping needs a
+    ``criterion(outputs, targets)``, so ``ghost`` runs as ``hooks`` (the same clipping and noise).
     """
 
     def __init__(
@@ -237,7 +239,10 @@ class OpacusHook:
         reproducible_noise: bool = False,
         sample_rate: float | None = None,
         expected_batch_size: int | None = None,
+        default_loss: bool = True,
     ) -> None:
+        if grad_sample_mode == "ghost" and not default_loss:
+            grad_sample_mode = "hooks"
         if grad_sample_mode not in GRAD_SAMPLE_MODES:
             raise PrivacyError(f"privacy.local_dp.grad_sample_mode: {grad_sample_mode!r} is not one of "
                                f"{', '.join(GRAD_SAMPLE_MODES)}")
@@ -405,9 +410,10 @@ def _raised_by(server: list, local: list, path: Path) -> list:
     return local
 
 
-def private_task(model: nn.Module, x: np.ndarray, y: np.ndarray, train_cfg, seed: int, device,
-                 pconf: dict, state_dir: str | None = None) -> DPTaskResult:
-    """Enforce the budget, then train with DP-SGD (see the module docstring)."""
+def private_task(model: nn.Module, x, y: np.ndarray | None, train_cfg, seed: int, device,
+                 pconf: dict, state_dir: str | None = None, *, task=None) -> DPTaskResult:
+    """Enforce the budget, then train with DP-SGD (see the module docstring). ``x, y``: arrays, or a
+    Dataset and ``None``; ``task``: its loss and ``train`` override (:func:`fedasync.task.train.local_train`)."""
     from fedasync.task.train import local_train, steps_for
 
     accountant = pconf["accountant"]
@@ -415,7 +421,7 @@ def private_task(model: nn.Module, x: np.ndarray, y: np.ndarray, train_cfg, seed
     budget = pconf.get("epsilon")
     check_enforcing(accountant)  # a client never enforces its budget with gdp, whatever it is sent
     check_secure_mode(bool(pconf.get("secure_mode", False)))
-    n = len(y)
+    n = len(y) if y is not None else len(x)
     q = sample_rate_for(n, train_cfg.batch_size)
     steps = steps_for(train_cfg, n)
     sigma = float(pconf["noise_multiplier"])
@@ -434,16 +440,20 @@ def private_task(model: nn.Module, x: np.ndarray, y: np.ndarray, train_cfg, seed
     hook = OpacusHook(noise_multiplier=sigma, max_grad_norm=float(pconf["max_grad_norm"]), accountant=accountant,
                       grad_sample_mode=pconf.get("grad_sample_mode", "ghost"), history=history, seed=seed,
                       secure_mode=bool(pconf.get("secure_mode", False)),
-                      reproducible_noise=bool(pconf.get("reproducible_noise", False)))
+                      reproducible_noise=bool(pconf.get("reproducible_noise", False)),
+                      default_loss=task is None or not task.has_loss)
     try:
         with warnings.catch_warnings():
             # Opacus' hooks make torch warn that a full backward hook fires on module outputs: expected
             warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
             warnings.filterwarnings("ignore", message=".*Using a non-full backward hook.*")
-            result = local_train(model, x, y, train_cfg, seed=seed, device=device, make_private=hook)
+            result = local_train(model, x, y, train_cfg, seed=seed, device=device, make_private=hook, task=task)
     finally:
         hook.close()
     after = hook.history
+    if history_steps(after) - history_steps(history) != steps:  # e.g. a task's train override
+        raise PrivacyError(f"privacy: the accountant charged {history_steps(after) - history_steps(history)} "
+                           f"steps, the task planned {steps}")
     if hook.sample_rate != q:  # pragma: no cover - q is Opacus' own rule, computed the same way
         raise PrivacyError(f"privacy: Opacus sampled at q={hook.sample_rate}, the budget assumed q={q}")
     eps = eps_next if after == planned else epsilon_of(after, delta, accountant)
@@ -482,8 +492,8 @@ def device_state_file(state_dir: str | os.PathLike) -> Path:
     return Path(state_dir) / f"accountant-device-{device_id(state_dir)}.json"
 
 
-def device_task(model: nn.Module, x: np.ndarray, y: np.ndarray, train_cfg, seed: int, device, pconf: dict,
-                policy, state_dir: str | None) -> DPTaskResult:
+def device_task(model: nn.Module, x, y: np.ndarray | None, train_cfg, seed: int, device, pconf: dict,
+                policy, state_dir: str | None, *, task=None) -> DPTaskResult:
     """A deployed device's DP task (``pconf`` already passed :func:`~fedasync.privacy.policy.check_task`).
 
     The budget, delta and accountant are the policy's; the history is the device's own file
@@ -516,7 +526,7 @@ def device_task(model: nn.Module, x: np.ndarray, y: np.ndarray, train_cfg, seed:
         hook = OpacusHook(noise_multiplier=sigma, max_grad_norm=float(pconf["max_grad_norm"]), accountant=accountant,
                           grad_sample_mode=pconf.get("grad_sample_mode", "ghost"), history=history, seed=seed,
                           secure_mode=bool(pconf.get("secure_mode", False)), sample_rate=q,
-                          expected_batch_size=expected)
+                          expected_batch_size=expected, default_loss=task is None or not task.has_loss)
         cfg = train_cfg.model_copy(update={"local_steps": steps, "local_epochs": None})  # the plan's steps
         from fedasync.task.train import local_train
 
@@ -524,7 +534,7 @@ def device_task(model: nn.Module, x: np.ndarray, y: np.ndarray, train_cfg, seed:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
                 warnings.filterwarnings("ignore", message=".*Using a non-full backward hook.*")
-                result = local_train(model, x, y, cfg, seed=seed, device=device, make_private=hook)
+                result = local_train(model, x, y, cfg, seed=seed, device=device, make_private=hook, task=task)
         finally:
             hook.close()
         if hook.history != planned:  # pragma: no cover - the accountant steps exactly as planned

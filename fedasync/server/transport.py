@@ -113,14 +113,32 @@ def reply_from_content(task_id: int, content: dict) -> Reply:
     )
 
 
-def client_setup_json(cfg: Config, fed: Any = None) -> str:
-    """What a client needs to build its data, model and trainer (sent with every task).  With the
-    server's ``FederatedData`` it carries the model's ``input_shape`` and ``num_classes`` too, so a
-    device with its own data builds the model without the federation's files. No server-only
+def client_setup_json(cfg: Config, fed: Any = None, task: Any = None) -> str:
+    """What a client needs to build its task, data, model and trainer (sent with every task).
+
+    The built-in task (``task`` None or named ``builtin``): the data, model and train sections and
+    the seed; with the server's ``FederatedData`` also the model's ``input_shape`` and
+    ``num_classes``, so a device with its own data builds the model without the federation's files.
+    A user task (:class:`fedasync.task.interface.Task`): its ``name``, source ``digest`` and
+    ``args`` (never code: a device imports the module from its own environment and refuses a task
+    whose digest differs, ``task_mismatch``), the folder it was imported from (``base_dir``, for
+    simulated clients), the number of partitions, the train section and the seed.
+    ``fix_model: true`` only when ``privacy.local_dp`` is on with ``fix_model``. No server-only
     setting: not the store, not the privacy section (central DP, every client's budget); a task's
     own DP settings travel in its ``privacy`` key."""
+    dp = cfg.privacy.local_dp
+    extra: dict[str, Any] = {"fix_model": True} if dp.enabled and dp.fix_model else {}
+    if task is not None and getattr(task, "name", "builtin") != "builtin":
+        return json.dumps({
+            **extra,
+            "task": {"name": task.name, "digest": task.digest, "args": task.args, "base_dir": task.base_dir},
+            "num_partitions": cfg.data.num_clients,
+            "seed": cfg.seed,
+            "train": cfg.train.model_dump(mode="json"),
+        }, sort_keys=True)
     shape = {} if fed is None else {"input_shape": list(fed.input_shape), "num_classes": int(fed.num_classes)}
     return json.dumps({
+        **extra,
         **shape,
         "seed": cfg.seed,
         "data": cfg.data.model_dump(mode="json"),

@@ -8,7 +8,8 @@ by :func:`fedasync.task.interface.builtin_task`; this module does not import the
   the data (or from ``input_shape``/``num_classes`` when given: a device builds the model from what
   the server sent, without the federation's data);
 - ``load_data(partition_id, num_partitions, data_path=None)``: the client's partition and the
-  held-out test set as ``TensorDataset`` (x float32, y int64); with ``data_path`` a device's own
+  held-out test set (x float32, y int64; the partition a ``TensorDataset``, the test set read on
+  access); with ``data_path`` a device's own
   ``.npz`` (``data.normalize`` applied; its shape and labels checked against the model), and no test set;
 - ``load_centralized()``: the held-out test set;
 - the default loss (cross-entropy) and metrics (loss, accuracy); no ``train`` override.
@@ -23,9 +24,11 @@ import json
 from typing import Any
 
 import numpy as np
+import torch
+from torch.utils.data import Dataset
 
 
-def _check_device_data(path: str, x: np.ndarray, y: np.ndarray, shape: tuple[int, ...], num_classes: int) -> None:
+def check_device_data(path: str, x: np.ndarray, y: np.ndarray, shape: tuple[int, ...], num_classes: int) -> None:
     """A device's own data must fit the federation's model: the same sample size, labels 0-(C-1)."""
     if int(np.prod(x.shape[1:])) != int(np.prod(shape)):
         raise ValueError(f"data.path: {path}: samples of shape {tuple(x.shape[1:])}, but the federation's model "
@@ -33,6 +36,20 @@ def _check_device_data(path: str, x: np.ndarray, y: np.ndarray, shape: tuple[int
     if len(y) and int(np.max(y)) >= num_classes:
         raise ValueError(f"data.path: {path}: label {int(np.max(y))}, but the federation has {num_classes} "
                          f"classes (labels 0-{num_classes - 1})")
+
+
+class ArrayDataset(Dataset):
+    """``(x[i], y[i])`` as float32/int64 tensors, read on access (no copy of the whole arrays)."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        return (torch.from_numpy(np.array(self.x[i], dtype=np.float32, copy=True)),
+                torch.tensor(int(self.y[i]), dtype=torch.int64))
 
 
 def builtin_functions(data_cfg: Any, model_cfg: Any, seed: int, input_shape: tuple[int, ...] | None = None,
@@ -66,13 +83,13 @@ def builtin_functions(data_cfg: Any, model_cfg: Any, seed: int, input_shape: tup
             x, y = load_npz(data_path)
             x = normalize(x, data_cfg.normalize)
             shape, classes = shape_classes()
-            _check_device_data(str(data_path), x, y, shape, classes)
-            return (x, y), (x[:0], y[:0])
+            check_device_data(str(data_path), x, y, shape, classes)
+            return (x, y), ArrayDataset(x[:0], y[:0])
         f = fed()
         if not 0 <= partition_id < len(f.partitions):
             raise ValueError(f"task builtin: load_data: partition {partition_id} is outside "
                             f"0-{len(f.partitions) - 1} (data.num_clients {len(f.partitions)})")
-        return f.partitions[partition_id], (f.x_test, f.y_test)
+        return f.partitions[partition_id], ArrayDataset(f.x_test, f.y_test)
 
     def load_centralized():
         f = fed()

@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 __all__ = ["TaskError", "Task", "load_task", "task_from_config", "init_params", "as_dataset", "check_nonempty",
-           "batch_size_of", "to_device", "default_loss", "default_evaluate", "builtin_task", "FUNCTIONS"]
+           "batch_size_of", "to_device", "default_loss", "default_evaluate", "builtin_task", "remember", "known_task", "FUNCTIONS"]
 
 #: the functions a task may define; the first two are required
 FUNCTIONS = ("model", "load_data", "load_centralized", "loss", "evaluate", "train")
@@ -186,7 +186,10 @@ class Task:
 
     ``name``: ``"builtin"`` or the module's name; ``digest``: sha256 of the module's source (of the
     built-in spec for ``builtin``); ``args``: ``task_args``. ``num_classes`` is known for the built-in
-    task (the label-flip attack needs it) and ``None`` otherwise.
+    task (the label-flip attack needs it) and ``None`` otherwise. With ``fix_model`` (set from
+    ``privacy.local_dp.fix_model`` by :func:`task_from_config` and by a client from its setup),
+    :meth:`model` replaces the layers Opacus cannot train (BatchNorm -> GroupNorm, Opacus'
+    ``ModuleValidator.fix``, as :func:`fedasync.privacy.dp.make_compatible` does).
     """
 
     name: str
@@ -194,6 +197,8 @@ class Task:
     args: dict
     fns: dict[str, Callable] = field(default_factory=dict, repr=False)
     num_classes: int | None = None
+    fix_model: bool = False  # privacy.local_dp.fix_model: model() applies Opacus' ModuleValidator.fix
+    base_dir: str | None = None  # the folder a module name was imported from (simulated clients import it there)
 
     @property
     def train(self) -> Callable | None:
@@ -216,6 +221,15 @@ class Task:
         m = self.fns["model"](**self.args)
         if not isinstance(m, nn.Module):
             raise TaskError(f"{self._where('model')}(...) returned {type(m).__name__}, not a torch.nn.Module")
+        if self.fix_model:
+            from opacus.validators import ModuleValidator
+
+            if ModuleValidator.validate(m, strict=False):
+                m = ModuleValidator.fix(m)
+                left = ModuleValidator.validate(m, strict=False)
+                if left:
+                    raise TaskError(f"{self._where('model')}: privacy.local_dp.fix_model: ModuleValidator.fix "
+                                    f"left layers Opacus cannot train: {str(left[0]).split('. ')[0]}")
         return m
 
     def load_data(self, partition_id: int, num_partitions: int, data_path: str | None = None) -> tuple[Dataset, Dataset]:
@@ -227,8 +241,10 @@ class Task:
                                 "add a data_path=None parameter")
             kw["data_path"] = str(data_path)
         out = fn(int(partition_id), int(num_partitions), **kw)
-        if not (isinstance(out, (tuple, list)) and len(out) == 2):
-            raise TaskError(f"{self._where('load_data')}(...) returned {type(out).__name__}; expected (train, test)")
+        if not (isinstance(out, (tuple, list)) and len(out) == 2) or isinstance(out[0], (np.ndarray, torch.Tensor)):
+            got = "(x, y) arrays" if isinstance(out, (tuple, list)) and out else type(out).__name__
+            raise TaskError(f"{self._where('load_data')}(...) returned {got}; expected (train, test), each a "
+                            "Dataset or (x, y) arrays")
         where = self._where("load_data")
         return as_dataset(out[0], f"{where}(...)[0] (train)"), as_dataset(out[1], f"{where}(...)[1] (test)")
 
@@ -367,16 +383,39 @@ def load_task(spec: Any, task_args: dict | None = None, base_dir: str | Path | N
     return Task(name=name, digest=_digest_of(obj, fns), args=args, fns=fns)
 
 
+_KNOWN: dict[tuple[str, str], Task] = {}
+
+
+def remember(task: Task) -> Task:
+    """Keep ``task`` in this process under its name and digest: a client in the same process (the
+    local backend) then uses this very object (a notebook's functions need no import)."""
+    _KNOWN[(task.name, task.digest)] = task
+    return task
+
+
+def known_task(name: str, digest: str) -> Task | None:
+    """The task this process holds under ``name`` and ``digest`` (see :func:`remember`), or None."""
+    return _KNOWN.get((name, digest))
+
+
 def task_from_config(cfg: Any, task: Any = None, base_dir: str | Path | None = None) -> Task:
     """The run's task: ``task`` (a module/object from the Python API) wins; else ``cfg.task`` with
-    ``cfg.task_args``; else the built-in task of ``cfg.data``, ``cfg.model`` and ``cfg.seed``."""
+    ``cfg.task_args``; else the built-in task of ``cfg.data``, ``cfg.model`` and ``cfg.seed``.
+    ``fix_model`` follows ``privacy.local_dp`` (enabled and ``fix_model``); a user task is
+    :func:`remember`-ed for the clients of this process."""
     args = dict(getattr(cfg, "task_args", None) or {})
-    if task is not None:
-        return load_task(task, args, base_dir)
-    spec = getattr(cfg, "task", None)
-    if spec:
-        return load_task(spec, args, base_dir)
-    return builtin_task(cfg.data, cfg.model, cfg.seed)
+    dp = getattr(getattr(cfg, "privacy", None), "local_dp", None)
+    fix = bool(dp is not None and dp.enabled and dp.fix_model)
+    spec = task if task is not None else getattr(cfg, "task", None)
+    if spec is None or (isinstance(spec, str) and not spec):
+        t = builtin_task(cfg.data, cfg.model, cfg.seed)
+        t.fix_model = fix
+        return t
+    t = load_task(spec, args, base_dir)
+    t.fix_model = fix
+    if isinstance(spec, str) and base_dir is not None:
+        t.base_dir = str(Path(base_dir).resolve())
+    return remember(t)
 
 
 def builtin_task(data_cfg: Any, model_cfg: Any, seed: int, input_shape: tuple[int, ...] | None = None,

@@ -1,8 +1,20 @@
-"""Local training and evaluation (plain torch).
+"""Local training and evaluation (plain torch), through the task (:mod:`fedasync.task.interface`).
 
 ``local_train`` runs SGD for ``steps_for(cfg, n)`` steps over minibatches drawn from seeded,
 reshuffled permutations of the client's data.  The result is a pure function of (initial
 parameters, data, cfg, seed): the same inputs give bit-identical parameters on the same device.
+
+The data is any map-style ``Dataset`` (``local_train(model, dataset, cfg, ..., task=task)``; the
+older ``local_train(model, x, y, cfg, ...)`` wraps the arrays as a ``TensorDataset``); a batch is
+whatever ``default_collate`` makes of its items.  Each step's loss is ``task.loss(model, batch)``
+when the task defines one (a mean over the batch), else ``nn.CrossEntropyLoss()`` on ``(x, y)``
+batches.  fedasync keeps what its guarantees rest on whatever the task: the optimizer (SGD with
+``train.lr`` / ``train.momentum``), the step budget, the seeded batch plan, DP-SGD and the proximal
+term.  A task's ``train(model, loader, optimizer, steps)`` override replaces only the loop: it gets
+the (under DP: Opacus-wrapped) model, optimizer and loader, and must call ``optimizer.step()``
+exactly ``steps`` times; any other count is a :class:`~fedasync.task.interface.TaskError` (under DP
+the accountant charged exactly the planned steps, so a mismatch is never silent).  Only the
+``loss`` key of the dict it returns is used (the reply's training loss).
 
 DP-SGD hook
 -----------
@@ -48,9 +60,10 @@ from typing import Callable
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
 from fedasync.config import TrainConfig
+from fedasync.task.interface import Task, TaskError, batch_size_of, to_device
 from fedasync.task.models import Params, get_params
 
 MakePrivate = Callable[..., tuple]
@@ -95,7 +108,7 @@ def pick_device(pref: str | torch.device | None = "auto") -> torch.device:
 class TrainResult:
     params: Params
     num_examples: int
-    loss: float  # mean training loss over the steps
+    loss: float  # mean training loss over the steps (a train override: the "loss" it returned, else NaN)
     steps: int
 
 
@@ -136,13 +149,33 @@ def _as_tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tenso
     return xt, yt
 
 
-def make_loader(x: np.ndarray, y: np.ndarray, cfg: TrainConfig, seed: int) -> DataLoader:
-    """The planned-batches loader ``local_train`` uses (see the module docstring)."""
-    n = len(y)
+def train_dataset(data, y=None, where: str = "local_train") -> Dataset:
+    """``data`` as the training ``Dataset``: a Dataset as is, or ``(x, y)`` arrays (``y`` given) as a
+    float32/int64 ``TensorDataset``; empty or ragged data is a ``ValueError`` naming ``where``."""
+    if y is not None:
+        n = len(y)
+        if n == 0:
+            raise ValueError(f"{where}: no training samples")
+        if len(data) != n:
+            raise ValueError(f"{where}: x has {len(data)} rows but y has {n}")
+        return TensorDataset(*_as_tensors(data, y))
+    if not isinstance(data, Dataset):
+        raise TypeError(f"{where}: expected a torch Dataset or (x, y) arrays, got {type(data).__name__}")
+    if len(data) == 0:
+        raise ValueError(f"{where}: no training samples")
+    return data
+
+
+def make_loader(data, y=None, cfg: TrainConfig | None = None, seed: int = 0) -> DataLoader:
+    """The planned-batches loader ``local_train`` uses (see the module docstring):
+    ``make_loader(dataset, cfg, seed)`` or ``make_loader(x, y, cfg, seed)``."""
+    if isinstance(y, TrainConfig):  # make_loader(dataset, cfg, seed): the arguments sit one slot left
+        y, cfg, seed = None, y, (seed if cfg is None else cfg)
+    dataset = train_dataset(data, y, "make_loader")
+    n = len(dataset)
     steps = steps_for(cfg, n)
-    xt, yt = _as_tensors(x, y)
     loader = DataLoader(
-        TensorDataset(xt, yt),
+        dataset,
         batch_sampler=PlannedBatchSampler(batch_plan(n, cfg.batch_size, steps, seed)),
         generator=torch.Generator().manual_seed(seed),
     )
@@ -162,28 +195,33 @@ def _seed_torch(seed: int, device: torch.device) -> None:
 
 def local_train(
     model: nn.Module,
-    x: np.ndarray,
-    y: np.ndarray,
-    cfg: TrainConfig,
-    seed: int,
+    data,
+    y: np.ndarray | TrainConfig | None = None,
+    cfg: TrainConfig | None = None,
+    seed: int = 0,
     device: torch.device | None = None,
     make_private: MakePrivate | None = None,
+    *,
+    task: Task | None = None,
 ) -> TrainResult:
     """SGD from the model's current parameters; returns the new ones (numpy float32).
 
-    ``device`` defaults to ``pick_device(cfg.device)``; the model is moved there in place.
+    ``local_train(model, dataset, cfg, seed=..., task=task)``, or ``local_train(model, x, y, cfg, ...)``
+    with arrays. ``task`` supplies the loss and the optional ``train`` override (default: cross-entropy,
+    fedasync's loop). ``device`` defaults to ``pick_device(cfg.device)``; the model is moved there in place.
     """
-    n = len(y)
-    if n == 0:
-        raise ValueError("local_train: no training samples")
-    if len(x) != n:
-        raise ValueError(f"local_train: x has {len(x)} rows but y has {n}")
+    if isinstance(y, TrainConfig):  # local_train(model, dataset, cfg, seed, ...)
+        y, cfg, seed = None, y, (seed if cfg is None else cfg)
+    if cfg is None:
+        raise TypeError("local_train: no TrainConfig given")
+    dataset = train_dataset(data, y)
+    n = len(dataset)
     device = device if device is not None else pick_device(cfg.device)
     _seed_torch(seed, device)
     model.to(device)
     model.train()
 
-    loader = make_loader(x, y, cfg, seed)
+    loader = make_loader(dataset, cfg=cfg, seed=seed)
     steps = loader.planned_steps
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     if cfg.prox_rho > 0:
@@ -193,23 +231,34 @@ def local_train(
     if make_private is not None:
         train_model, optimizer, loader, dp_criterion = make_private(model, optimizer, loader)
         if dp_criterion is not None:
+            if task is not None and task.has_loss:
+                raise TaskError(f"task {task.name}: loss: Opacus' ghost clipping needs the default loss "
+                                "(criterion(outputs, targets)); use grad_sample_mode hooks with a task's own loss")
             criterion = dp_criterion
+    user_loss = task.loss if task is not None and task.has_loss else None
+    user_train = task.train if task is not None else None
+    if user_train is not None:
+        done, loss_value = _run_override(task, user_train, train_model, loader, optimizer, steps)
+        return TrainResult(params=get_params(model), num_examples=n, loss=loss_value, steps=done)
 
     on_cpu = device.type == "cpu"
     losses: list[float] = []
     done = 0
     while done < steps:
         progressed = False
-        for xb, yb in loader:
+        for batch in loader:
             progressed = True
             if not on_cpu:
-                xb = xb.to(device, non_blocking=True)
-                yb = yb.to(device, non_blocking=True)
+                batch = to_device(batch, device)
             optimizer.zero_grad(set_to_none=True)
-            loss = criterion(train_model(xb), yb)
+            if user_loss is not None:
+                loss = user_loss(train_model, batch)
+            else:
+                xb, yb = _pair(batch, task)
+                loss = criterion(train_model(xb), yb)
             loss.backward()
             optimizer.step()
-            if len(yb) > 0:
+            if batch_size_of(batch) > 0:
                 losses.append(loss.item())
             done += 1
             if done >= steps:
@@ -223,6 +272,42 @@ def local_train(
         loss=float(np.mean(losses)) if losses else float("nan"),
         steps=done,
     )
+
+
+def _pair(batch, task: Task | None):
+    if isinstance(batch, (list, tuple)) and len(batch) == 2:
+        return batch
+    name = task.name if task is not None else "builtin"
+    raise TaskError(f"task {name}: loss: the default loss needs (x, y) batches, this Dataset yields "
+                    f"{type(batch).__name__}: define loss(model, batch) in the task")
+
+
+def _run_override(task: Task, user_train: Callable, model, loader, optimizer, steps: int) -> tuple[int, float]:
+    """Run the task's ``train`` override, counting its ``optimizer.step()`` calls (must be ``steps``)."""
+    taken = [0]
+    inner = optimizer.step
+
+    def counted_step(*args, **kwargs):
+        taken[0] += 1
+        return inner(*args, **kwargs)
+
+    optimizer.step = counted_step
+    try:
+        out = user_train(model, loader, optimizer, steps)
+    finally:
+        del optimizer.step  # the class's own step again
+    if taken[0] != steps:
+        raise TaskError(f"task {task.name}: train(model, loader, optimizer, steps) called optimizer.step() "
+                        f"{taken[0]} times, the step budget is {steps} (the steps taken are the steps "
+                        "timed and, under DP, accounted)")
+    if out is not None and not isinstance(out, dict):
+        raise TaskError(f"task {task.name}: train(model, loader, optimizer, steps) returned "
+                        f"{type(out).__name__}; expected a dict (e.g. {{'loss': ...}}) or None")
+    loss = (out or {}).get("loss", float("nan"))
+    try:
+        return taken[0], float(loss)
+    except (TypeError, ValueError):
+        raise TaskError(f"task {task.name}: train(...) returned loss {loss!r}, not a number") from None
 
 
 def add_proximal_term(optimizer: torch.optim.Optimizer, rho: float):
@@ -246,8 +331,80 @@ def add_proximal_term(optimizer: torch.optim.Optimizer, rho: float):
     return optimizer.register_step_pre_hook(pre_step)
 
 
+class SlicedBatches:
+    """Ordered batches of a ``TensorDataset`` by slicing its tensors (no per-item fetch); what
+    :func:`evaluate` and :func:`gradient` hand a task for such a dataset.  Iterable, with ``len``."""
+
+    def __init__(self, dataset: TensorDataset, batch_size: int) -> None:
+        self.tensors, self.batch_size = dataset.tensors, int(batch_size)
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return -(-len(self.tensors[0]) // self.batch_size)
+
+    def __iter__(self):
+        n = len(self.tensors[0])
+        for i in range(0, n, self.batch_size):
+            yield [t[i: i + self.batch_size] for t in self.tensors]
+
+
+def eval_loader(dataset: Dataset, batch_size: int = 1024):
+    """Ordered batches of ``dataset``: :class:`SlicedBatches` for a ``TensorDataset``, else a
+    ``DataLoader`` (``default_collate``, no shuffling)."""
+    if isinstance(dataset, TensorDataset):
+        return SlicedBatches(dataset, batch_size)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False)
+
+
+def _model_device(model: nn.Module, device: torch.device | None) -> torch.device:
+    if device is None:
+        p = next(model.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+    model.to(device)
+    return device
+
+
 @torch.no_grad()
-def evaluate(
+def evaluate_task(task: Task, model: nn.Module, dataset: Dataset, batch_size: int = 1024,
+                  device: torch.device | None = None) -> dict[str, float]:
+    """The task's metrics (``task.evaluate``: default ``{"loss", "accuracy"}``) of ``model`` on
+    ``dataset``, in eval mode, batches moved to ``device`` (default: the model's)."""
+    if len(dataset) == 0:
+        raise ValueError("evaluate: no samples")
+    device = _model_device(model, device)
+    was_training = model.training
+    model.eval()
+    loader = eval_loader(dataset, batch_size)
+    if device.type != "cpu":
+        loader = _OnDevice(loader, device)
+    try:
+        return task.evaluate(model, loader)
+    finally:
+        model.train(was_training)
+
+
+class _OnDevice:
+    def __init__(self, loader, device) -> None:
+        self.loader, self.device = loader, device
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            yield to_device(batch, self.device)
+
+
+def evaluate(*args, **kwargs):
+    """``evaluate(task, model, dataset)``: the task's metric dict (:func:`evaluate_task`);
+    ``evaluate(model, x, y, batch_size=1024, device=None)``: ``(mean cross-entropy, accuracy)`` on arrays."""
+    if args and isinstance(args[0], Task):
+        return evaluate_task(*args, **kwargs)
+    return evaluate_arrays(*args, **kwargs)
+
+
+@torch.no_grad()
+def evaluate_arrays(
     model: nn.Module,
     x: np.ndarray,
     y: np.ndarray,
@@ -281,12 +438,16 @@ def evaluate(
 
 def gradient(
     model: nn.Module,
-    x: np.ndarray,
-    y: np.ndarray,
+    x,
+    y: np.ndarray | None = None,
     batch_size: int = 1024,
     device: torch.device | None = None,
+    *,
+    task: Task | None = None,
 ) -> Params:
-    """The gradient of the mean cross-entropy loss over ``x, y`` at the model's current parameters.
+    """The gradient of the mean loss over ``x, y`` (or over the Dataset ``x``, ``y`` None) at the
+    model's current parameters: the task's ``loss`` (each batch's mean times its size) when ``task``
+    defines one, else cross-entropy.
 
     Keyed like :func:`fedasync.task.models.get_params` (the ``state_dict``, float32 numpy); a
     buffer that is not a trainable parameter gets zeros. Computed in eval mode in chunks of
@@ -295,27 +456,32 @@ def gradient(
     were. Used by the server for Zeno++'s validation gradient (``fedasync.server.robust``), on a
     validation split of the *training* data.
     """
-    n = len(y)
-    if n == 0:
-        raise ValueError("gradient: no samples")
-    if len(x) != n:
-        raise ValueError(f"gradient: x has {len(x)} rows but y has {n}")
-    if device is None:
-        p = next(model.parameters(), None)
-        device = p.device if p is not None else torch.device("cpu")
+    if y is not None:
+        n = len(y)
+        if n == 0:
+            raise ValueError("gradient: no samples")
+        if len(x) != n:
+            raise ValueError(f"gradient: x has {len(x)} rows but y has {n}")
+        dataset: Dataset = TensorDataset(*_as_tensors(x, y))
     else:
-        model.to(device)
+        dataset, n = x, len(x)
+        if n == 0:
+            raise ValueError("gradient: no samples")
+    device = _model_device(model, device)
     names = {id(p): name for name, p in model.named_parameters()}
     params = [p for p in model.parameters() if p.requires_grad]
     was_training = model.training
     model.eval()
-    xt, yt = _as_tensors(x, y)
+    user_loss = task.loss if task is not None and task.has_loss else None
     total = [torch.zeros_like(p) for p in params]
     try:
-        for i in range(0, n, batch_size):
-            xb = xt[i: i + batch_size].to(device)
-            yb = yt[i: i + batch_size].to(device)
-            loss = nn.functional.cross_entropy(model(xb), yb, reduction="sum")
+        for batch in eval_loader(dataset, batch_size):
+            batch = to_device(batch, device)
+            if user_loss is not None:
+                loss = user_loss(model, batch) * batch_size_of(batch)
+            else:
+                xb, yb = _pair(batch, task)
+                loss = nn.functional.cross_entropy(model(xb), yb, reduction="sum")
             grads = torch.autograd.grad(loss, params)
             for t, g in zip(total, grads):
                 t += g
