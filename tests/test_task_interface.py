@@ -291,8 +291,11 @@ def test_a_model_opacus_cannot_train_names_the_layer_and_the_fix():
     with pytest.raises(PrivacyError, match=r"^model: Opacus cannot train .*BatchNorm at 1.*"
                                            r"privacy\.local_dp\.fix_model: true"):
         check_model(t.model())
-    cfg = load_config(None, ["privacy.local_dp.enabled=true", "privacy.local_dp.epsilon=5",
-                             "privacy.local_dp.fix_model=true"])
+    dp = ["privacy.local_dp.enabled=true", "privacy.local_dp.epsilon=5"]
+    with pytest.raises(TaskError, match=r"^task array_task: model: Opacus cannot train it under DP-SGD: BatchNorm at 1 "
+                                        r".*Set privacy\.local_dp\.fix_model: true"):
+        task_from_config(load_config(None, dp), task=array_task(model=model))
+    cfg = load_config(None, dp + ["privacy.local_dp.fix_model=true"])
     fixed = task_from_config(cfg, task=array_task(model=model))
     m = fixed.model()
     assert isinstance(m[1], nn.GroupNorm)

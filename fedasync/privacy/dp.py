@@ -67,6 +67,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from fedasync.task.interface import model_problems  # noqa: F401  (here since before the task interface)
 from fedasync.privacy.budgets import (
     PrivacyError,
     as_history,
@@ -96,25 +97,6 @@ def check_secure_mode(secure_mode: bool) -> None:
             "privacy.local_dp.secure_mode: true needs the torchcsprng package, which is not installed "
             f"(and has no wheel for torch {torch.__version__} here); install it or set secure_mode: false"
         )
-
-
-def model_problems(model: nn.Module) -> list[str]:
-    """Why Opacus cannot train ``model`` (empty: it can), one short line per problem."""
-    from opacus.validators import ModuleValidator
-
-    errors = ModuleValidator.validate(model, strict=False)
-    if not errors:
-        return []
-    out = []
-    bn = [name or "<root>" for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    if bn:
-        out.append(f"BatchNorm at {', '.join(bn)} (each sample's output depends on the rest of its batch)")
-    for e in errors:
-        text = str(e).split(". ")[0]
-        if "BatchNorm" in text and bn:
-            continue
-        out.append(f"{type(e).__name__}: {text}")
-    return out
 
 
 def check_model(model: nn.Module) -> None:

@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 __all__ = ["TaskError", "Task", "load_task", "task_from_config", "init_params", "as_dataset", "check_nonempty",
-           "batch_size_of", "to_device", "default_loss", "default_evaluate", "builtin_task", "remember", "known_task", "FUNCTIONS"]
+           "batch_size_of", "to_device", "default_loss", "default_evaluate", "builtin_task", "remember", "known_task", "model_problems", "FUNCTIONS"]
 
 #: the functions a task may define; the first two are required
 FUNCTIONS = ("model", "load_data", "load_centralized", "loss", "evaluate", "train")
@@ -398,6 +398,25 @@ def known_task(name: str, digest: str) -> Task | None:
     return _KNOWN.get((name, digest))
 
 
+def model_problems(model: nn.Module) -> list[str]:
+    """Why Opacus cannot train ``model`` under DP-SGD (empty: it can), one short line per problem."""
+    from opacus.validators import ModuleValidator
+
+    errors = ModuleValidator.validate(model, strict=False)
+    if not errors:
+        return []
+    out = []
+    bn = [name or "<root>" for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if bn:
+        out.append(f"BatchNorm at {', '.join(bn)} (each sample's output depends on the rest of its batch)")
+    for e in errors:
+        text = str(e).split(". ")[0]
+        if "BatchNorm" in text and bn:
+            continue
+        out.append(f"{type(e).__name__}: {text}")
+    return out
+
+
 def task_from_config(cfg: Any, task: Any = None, base_dir: str | Path | None = None) -> Task:
     """The run's task: ``task`` (a module/object from the Python API) wins; else ``cfg.task`` with
     ``cfg.task_args``; else the built-in task of ``cfg.data``, ``cfg.model`` and ``cfg.seed``.
@@ -415,6 +434,12 @@ def task_from_config(cfg: Any, task: Any = None, base_dir: str | Path | None = N
     t.fix_model = fix
     if isinstance(spec, str) and base_dir is not None:
         t.base_dir = str(Path(base_dir).resolve())
+    if dp is not None and dp.enabled and not fix:
+        problems = model_problems(t.model())
+        if problems:
+            raise TaskError(f"task {t.name}: model: Opacus cannot train it under DP-SGD: {'; '.join(problems)}. "
+                            "Set privacy.local_dp.fix_model: true (Opacus' ModuleValidator.fix: BatchNorm -> "
+                            "GroupNorm) or replace those layers")
     return remember(t)
 
 
