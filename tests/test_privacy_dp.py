@@ -275,7 +275,7 @@ def _setup_cfg(*extra):
 
 def test_a_dp_reply_carries_no_loss_and_the_planned_num_examples(digits):
     from fedasync.clients.runner import handle_train
-    from fedasync.server.loop import client_setup_json
+    from fedasync.server.transport import client_setup_json
 
     cfg = _setup_cfg()
     fed = load_federated(cfg.data, cfg.seed)
@@ -293,7 +293,7 @@ def test_a_dp_reply_carries_no_loss_and_the_planned_num_examples(digits):
 
 def test_a_device_refuses_a_task_asking_for_reproducible_noise(digits):
     from fedasync.clients.runner import handle_train
-    from fedasync.server.loop import client_setup_json
+    from fedasync.server.transport import client_setup_json
 
     cfg = _setup_cfg()
     fed = load_federated(cfg.data, cfg.seed)

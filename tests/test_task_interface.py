@@ -385,6 +385,12 @@ def test_other_bad_inputs_are_one_line(tmp_path):
         evaluate(bad_eval, bad_eval.model(), bad_eval.load_centralized())
 
 
+def test_an_empty_centralized_set_is_one_line():
+    t = load_task(array_task(load_centralized=lambda **kw: (np.zeros((0, 6), np.float32), np.zeros(0, np.int64))))
+    with pytest.raises(TaskError, match=r"^task array_task: load_centralized\(...\): the Dataset yields nothing"):
+        t.load_centralized()
+
+
 def test_a_dataset_that_yields_nothing_is_an_error_where_data_is_first_loaded():
     from fedasync.clients.runner import handle_train
     from fedasync.server.transport import client_setup_json

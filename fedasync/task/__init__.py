@@ -1,4 +1,5 @@
-"""The learning task: federated data, models and local training.
+"""The learning task: the task interface (a user's module, or the built-in data sets and models),
+federated data, models and local training.
 
 Names are imported lazily, so ``fedasync.task.data`` can be used without importing torch.
 """
@@ -28,7 +29,15 @@ _EXPORTS = {
     "TrainResult": "train",
     "local_train": "train",
     "evaluate": "train",
+    "evaluate_task": "train",
+    "gradient": "train",
     "steps_for": "train",
+    # the task interface
+    "Task": "interface",
+    "TaskError": "interface",
+    "load_task": "interface",
+    "task_from_config": "interface",
+    "builtin_task": "interface",
 }
 
 __all__ = sorted(_EXPORTS)

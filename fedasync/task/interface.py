@@ -252,7 +252,9 @@ class Task:
         fn = self.fns.get("load_centralized")
         if fn is None:
             return None
-        return as_dataset(fn(**self.args), f"{self._where('load_centralized')}(...)")
+        ds = as_dataset(fn(**self.args), f"{self._where('load_centralized')}(...)")
+        check_nonempty(ds, f"{self._where('load_centralized')}(...)")
+        return ds
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         fn = self.fns.get("loss")
