@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -84,7 +85,32 @@ def new_run_dir(root: Path, name: str) -> Path:
     return private_dir(out)
 
 
-def _plot(series: dict[str, list[dict]], path: Path, target: float | None, title: str) -> None:
+def plot_metric(summary: dict) -> str:
+    """The metric a run's plot shows: the target's, else ``accuracy`` when the task reports it,
+    else the first metric of its evaluations."""
+    if summary.get("target"):
+        return summary["target"]["metric"]
+    names = metric_names(summary.get("history") or [])
+    return "accuracy" if "accuracy" in names or not names else names[0]
+
+
+def plot_file(summary: dict) -> str:
+    """``accuracy.png`` (the plot of :func:`plot_metric`), or ``<metric>.png`` for another metric."""
+    return f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', plot_metric(summary))}.png"
+
+
+def metric_names(history: list[dict]) -> list[str]:
+    """Every metric of the evaluations, in the order first seen (history.csv's columns after
+    ``version`` and ``virtual_time_s``)."""
+    names: dict[str, None] = {}
+    for row in history:
+        names.update((k, None) for k in row if k not in ("version", "virtual_time_s"))
+    return list(names)
+
+
+def _plot(series: dict[str, list[dict]], path: Path, target: Any, title: str, metric: str = "accuracy") -> None:
+    """``metric`` against virtual time for each run of ``series``; ``target``: a value, or a
+    ``server.target`` dict (its value), drawn as a line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -92,14 +118,16 @@ def _plot(series: dict[str, list[dict]], path: Path, target: float | None, title
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     for label, hist in series.items():
-        ax.plot([h["virtual_time_s"] for h in hist], [h["accuracy"] for h in hist], label=label, lw=1.6)
-    if target is not None:
-        ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:.2f}")
+        pts = [(h["virtual_time_s"], h[metric]) for h in hist if h.get(metric) is not None]
+        ax.plot([t for t, _ in pts], [v for _, v in pts], label=label, lw=1.6)
+    value = target.get("value") if isinstance(target, dict) else target
+    if value is not None:
+        ax.axhline(value, color="grey", ls="--", lw=1, label=f"target {value:.4g}")
     ax.set_xlabel("virtual time (s)")
-    ax.set_ylabel("test accuracy")
+    ax.set_ylabel("test accuracy" if metric == "accuracy" else metric)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="lower right" if not isinstance(target, dict) or target.get("mode") != "min" else "upper right")
     fig.tight_layout()
     with open_private(path, "wb") as f:
         fig.savefig(f, format="png")
@@ -151,18 +179,18 @@ def write_run_outputs(out: Path, cfg: Config, summary: dict) -> dict[str, Path]:
     paths = {
         "summary": out / "summary.json",
         "history": out / "history.csv",
-        "plot": out / "accuracy.png",
+        "plot": out / plot_file(summary),
         "config": out / "config.yaml",
     }
     text = json.dumps(strict_json(masked_summary(summary)), indent=2, allow_nan=False) + "\n"
     write_private(paths["summary"], text)
-    with open_private(paths["history"], "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["version", "virtual_time_s", "accuracy", "loss"])
+    with open_private(paths["history"], "w", newline="") as f:  # one column per metric of the task
+        w = csv.DictWriter(f, fieldnames=["version", "virtual_time_s", *metric_names(summary["history"])])
         w.writeheader()
         for row in summary["history"]:
             w.writerow(row)
-    _plot({summary["strategy"]: summary["history"]}, paths["plot"], cfg.server.target_accuracy,
-          f"{cfg.name}: {summary['strategy']}")
+    _plot({summary["strategy"]: summary["history"]}, paths["plot"], summary.get("target"),
+          f"{cfg.name}: {summary['strategy']}", metric=plot_metric(summary))
     if summary.get("participation"):
         paths["participation"] = out / "participation.png"
         plot_participation(summary["participation"], paths["participation"],
@@ -172,7 +200,8 @@ def write_run_outputs(out: Path, cfg: Config, summary: dict) -> dict[str, Path]:
 
 
 def comparison(summaries: dict[str, dict]) -> dict:
-    """``time_to_target_ratio[name] = first strategy's time / this one's`` (None if either missed)."""
+    """``time_to_target_ratio[name] = first strategy's time / this one's`` (None if either missed);
+    the target is the runs' ``server.target`` (any metric)."""
     names = list(summaries)
     first = summaries[names[0]]["time_to_target_s"]
     ratio = {}
@@ -182,10 +211,14 @@ def comparison(summaries: dict[str, dict]) -> dict:
     return {"strategies": summaries, "time_to_target_ratio": ratio}
 
 
-def write_comparison(out: Path, summaries: dict[str, dict], target: float | None) -> dict[str, Path]:
+def write_comparison(out: Path, summaries: dict[str, dict], target: Any = None) -> dict[str, Path]:
+    """comparison.json and comparison.png (the plotted metric: :func:`plot_metric` of the first run;
+    ``target``: a value or a ``server.target`` dict, default the first run's target)."""
     data = comparison({n: masked_summary(s) for n, s in summaries.items()})
     paths = {"comparison": out / "comparison.json", "plot": out / "comparison.png"}
     write_private(paths["comparison"], json.dumps(strict_json(data), indent=2, allow_nan=False) + "\n")
-    _plot({n: s["history"] for n, s in summaries.items()}, paths["plot"], target,
-          "accuracy vs virtual time, same scenario")
+    first = next(iter(summaries.values()))
+    metric = plot_metric(first)
+    _plot({n: s["history"] for n, s in summaries.items()}, paths["plot"], target or first.get("target"),
+          f"{metric} vs virtual time, same scenario", metric=metric)
     return paths

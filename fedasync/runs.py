@@ -134,18 +134,26 @@ def run_configs(
     progress: ProgressFactory | None = None,
     resume: int | None = None,
     verbose: bool = False,
+    task: Any = None,
+    base_dir: Path | None = None,
+    on_parts: Callable[[str, Any], None] | None = None,
 ) -> dict[str, dict]:
     """Run each config in turn (one engine start for all) and write its outputs; the summaries
-    by label. The run directories are 0700 and what the run creates (the store, its blobs, the
-    outputs) 0600: :func:`fedasync.private.private_umask` is held throughout."""
+    by label. Each run's parts come from :func:`fedasync.assembly.assemble` (``task``: the Python
+    API's task object; ``base_dir``: where ``task:`` is imported from), built before its store is
+    opened; ``on_parts(label, parts)`` sees them. The run directories are 0700 and what the run
+    creates (the store, its blobs, the outputs) 0600: :func:`fedasync.private.private_umask` is
+    held throughout."""
     from fedasync.private import private_umask
 
     with private_umask():
-        return _run_configs(configs, out_dirs, backend, progress, resume, verbose)
+        return _run_configs(configs, out_dirs, backend, progress, resume, verbose, task, base_dir, on_parts)
 
 
 def _run_configs(configs: list[tuple[str, Config]], out_dirs: dict[str, Path], backend: str,
-                 progress: ProgressFactory | None, resume: int | None, verbose: bool) -> dict[str, dict]:
+                 progress: ProgressFactory | None, resume: int | None, verbose: bool, task: Any = None,
+                 base_dir: Path | None = None, on_parts: Callable[[str, Any], None] | None = None) -> dict[str, dict]:
+    from fedasync.assembly import assemble
     from fedasync.outputs import write_run_outputs
     from fedasync.private import private_dir, private_sqlite
     from fedasync.server.loop import AsyncServer
@@ -164,10 +172,18 @@ def _run_configs(configs: list[tuple[str, Config]], out_dirs: dict[str, Path], b
         write_run_outputs(out_dirs[label], cfg, summary)
         summaries[label] = summary
 
+    def make_parts(label: str, cfg: Config, resumed: bool):
+        parts = assemble(cfg, task=task, base_dir=base_dir, resume=resumed)
+        if on_parts is not None:
+            on_parts(label, parts)
+        return parts
+
     if backend == "local":
         for label, cfg in configs:
+            parts = make_parts(label, cfg, resume is not None)
             server = AsyncServer(cfg, LocalTransport(), make_store(label, cfg), clock="virtual",
-                                 progress=progress(label, cfg) if progress else None, resume_run_id=resume)
+                                 progress=progress(label, cfg) if progress else None, resume_run_id=resume,
+                                 parts=parts)
             on_result(label, cfg, server.run())
             if summaries[label]["stop_reason"] == "interrupted":  # Ctrl-C stops the command, not one run
                 break
@@ -180,7 +196,7 @@ def _run_configs(configs: list[tuple[str, Config]], out_dirs: dict[str, Path], b
     first = configs[0][1]
     n_nodes = first.simulation.num_supernodes or first.data.num_clients
     job = Job(configs=configs, make_store=make_store, on_result=on_result, progress=progress,
-              expected_nodes=n_nodes, resume_run_id=resume)
+              expected_nodes=n_nodes, resume_run_id=resume, make_parts=make_parts)
     try:
         with _signals_to(job):
             run_simulation(server_app=make_server_app(job), client_app=client_app, num_supernodes=n_nodes,

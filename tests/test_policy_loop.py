@@ -409,7 +409,7 @@ def test_a_stale_window_version_the_store_lost_is_skipped_with_a_warning(caplog)
     from fedasync.server.policy import Policies
 
     cfg = small_config("attack.kind=stale", "attack.fraction=0.3", "attack.lag=4")
-    pol = Policies(cfg, fed=None)
+    pol = Policies(cfg)
     models = {v: {"w": np.full(2, float(v), np.float32)} for v in (3, 5)}
 
     def load(v):
@@ -486,7 +486,7 @@ def test_kardam_restore_skips_an_update_whose_base_model_is_lost(caplog):
     from fedasync.server.policy import Policies
     from fedasync.server.strategies import Update
 
-    pol = Policies(small_config("server.robust.filter=kardam", "server.robust.warmup=1"), fed=None)
+    pol = Policies(small_config("server.robust.filter=kardam", "server.robust.warmup=1"))
     models = {2: {"w": np.array([1.0, 2.0], np.float32)}}
     rows = [(SimpleNamespace(task_id=7, client_id=0, base_version=2, staleness=0, num_examples=5),
              {"w": np.array([0.5, 1.0], np.float32)}),

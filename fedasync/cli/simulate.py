@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import time
 from pathlib import Path
 from typing import Optional
@@ -11,35 +10,25 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from fedasync.cli.common import (RunProgress, check_store_or_exit, console, data_or_exit, fail, load_or_exit,
-                                 progress_bars, quiet_flower, summary_table)
-from fedasync.config import Config, ConfigError, apply_overrides, config_from_dict
+from fedasync.cli.common import RunProgress, console, fail, load_or_exit, progress_bars, quiet_flower, summary_table
+from fedasync.config import Config, ConfigError
+from fedasync.outputs import plot_file
 from fedasync.private import mask_url
-from fedasync.runs import EngineError, RunError, ray_address_problem, resume_config, run_configs
+from fedasync.runs import EngineError, RunError, resume_config
 
 
 def parse_compare(spec: str, base: Config) -> list[tuple[str, Config]]:
     """``fedavg,fedbuff,fedasync`` or entries with server overrides: ``fedavg:backup_workers=4``.
 
     Every entry runs the identical scenario (data, partitions, profiles, seed); only the
-    ``server`` section differs.
+    ``server`` section differs (:func:`fedasync.api.compare_configs`; a bad entry exits 2).
     """
-    out: list[tuple[str, Config]] = []
-    raw = base.model_dump(mode="json")
-    for entry in [e.strip() for e in spec.split(",") if e.strip()]:
-        name, *kvs = entry.split(":")
-        sets = [f"server.strategy={name}"] + [f"server.{kv}" for kv in kvs]
-        try:
-            cfg = config_from_dict(apply_overrides(raw, sets))
-        except ConfigError as e:
-            fail(f"--compare {entry}: {e}")
-        label = re.sub(r"[^A-Za-z0-9_.=+-]+", "-", entry.replace(":", "-"))
-        if label in [lbl for lbl, _ in out]:
-            fail(f"--compare: {entry} is listed twice")
-        out.append((label, cfg))
-    if not out:
-        fail("--compare: no strategy given")
-    return out
+    from fedasync.api import compare_configs
+
+    try:
+        return compare_configs(spec, base)
+    except ConfigError as e:
+        fail(str(e))
 
 
 def simulate(
@@ -56,7 +45,13 @@ def simulate(
         None, "--resume", help="Continue run RUN_ID (stopped or killed) of the store in --out (or store.url)."),
 ) -> None:
     """Run the asynchronous server with simulated clients on this machine."""
+    from fedasync import api
+    from fedasync.assembly import TargetError
+    from fedasync.privacy.budgets import PrivacyError
+    from fedasync.task.interface import TaskError
+
     cfg = load_or_exit(config, set_)
+    base_dir = Path(config).resolve().parent if config else None
     if resume is not None:
         if compare:
             fail("--resume: cannot be combined with --compare")
@@ -65,45 +60,24 @@ def simulate(
         except RunError as e:
             fail(str(e))
     configs = parse_compare(compare, cfg) if compare else [(cfg.server.strategy, cfg)]
-    if cfg.privacy.local_dp.enabled or cfg.privacy.central_dp.enabled:  # DP settings that cannot work: one line
-        from fedasync.privacy.tracker import check_runnable
-
-        for label, c in configs:
-            try:
-                check_runnable(c)
-            except ValueError as e:
-                fail(f"{label}: {e}" if compare else str(e))
     backend = backend or cfg.simulation.backend
-    if backend not in ("flower", "local"):
-        fail(f"--backend: {backend!r} is not one of flower, local")
-    data_or_exit(cfg)  # data and model (the --compare entries differ only in server)
-    from fedasync.outputs import make_run_dir, out_dir_problem, remove_if_empty, write_comparison
-
-    out_problem = out_dir_problem(out, resume)
-    if out_problem:
-        fail(out_problem)
-    for label, c in configs:  # a store that cannot be opened: one line, before anything is written
-        check_store_or_exit(c.store.url, "store.url")
-    ray_problem = ray_address_problem() if backend == "flower" else None
-    if ray_problem:  # Ray would retry an address where nothing listens for minutes
-        fail(ray_problem)
-    # nothing is written before every input has been checked
     existed = out is not None and out.exists()
-    try:
-        out = make_run_dir(out, cfg.name)
-    except ValueError as e:  # a file on the way, no permission: one line (nothing written yet)
+    try:  # every input checked, then the run directory made (api.prepare)
+        out = api.prepare(configs, backend=backend, out=out, resume=resume, compared=bool(compare))
+    except (ConfigError, RunError, TaskError, ValueError) as e:
         fail(str(e))
-    out_dirs = {label: (out / label if compare else out) for label, _ in configs}
     quiet_flower(verbose)
     t0 = time.time()
     try:
         with progress_bars() as bars:
-            summaries = run_configs(configs, out_dirs, backend, resume=resume, verbose=verbose,
-                                    progress=lambda label, c: RunProgress(bars, label, c))
+            out_dirs, results = api.execute(configs, out, compared=bool(compare), base_dir=base_dir, backend=backend,
+                                            resume=resume, verbose=verbose, existed=existed,
+                                            progress=lambda label, c: RunProgress(bars, label, c))
     except EngineError as e:  # not bad input: exit 1, one line (--verbose shows Flower's and Ray's logs)
-        if not existed:  # the directory made above, when the engine failed before a run wrote to it
-            remove_if_empty(out)
         fail(str(e), code=1)
+    except (TaskError, TargetError, PrivacyError) as e:  # a task that cannot be loaded or run, a target
+        fail(str(e))                                       # metric it does not report: nothing written
+    summaries = {label: r.summary for label, r in results.items()}
     console.print(summary_table(summaries, f"{cfg.name} ({backend}, seed {cfg.seed})"))
     for label, s in summaries.items():  # privacy spent (DP runs)
         p = s.get("privacy")
@@ -115,7 +89,9 @@ def simulate(
     if skipped:  # interrupted: the entries after the stopped one never started
         console.print(escape("not run (interrupted): " + ", ".join(skipped)))
     if compare and not skipped:
-        paths = write_comparison(out, summaries, cfg.server.target_accuracy)
+        from fedasync.outputs import write_comparison
+
+        paths = write_comparison(out, summaries)
         ratios = json.loads(paths["comparison"].read_text())["time_to_target_ratio"]
         first = configs[0][0]
         console.print(escape("time-to-target ratio vs " + first + ": " + ", ".join(
@@ -124,7 +100,7 @@ def simulate(
     for label, s in summaries.items():
         d = out_dirs[label]
         console.print(f"[bold]{escape(label)}[/bold]: " + escape(
-            f"{d / 'summary.json'}, {d / 'history.csv'}, {d / 'accuracy.png'}, {d / 'participation.png'}, "
+            f"{d / 'summary.json'}, {d / 'history.csv'}, {d / plot_file(s)}, {d / 'participation.png'}, "
             f"{d / 'config.yaml'}; store {mask_url(s['store_url'])}"))
     for label, s in summaries.items():
         if s["stop_reason"] == "interrupted":

@@ -85,11 +85,11 @@ def _finite(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else float(x)
 
 
-def check_runnable(cfg: Config) -> None:
-    """Everything that can be checked before a DP run starts (raises :class:`PrivacyError`)."""
+def check_runnable(cfg: Config, sizes: list[int] | None = None, model: Any = None) -> None:
+    """Everything that can be checked before a DP run starts (raises :class:`PrivacyError`).
+    ``sizes`` (each client's examples) and ``model()`` (the task's model): a run's parts
+    (:func:`fedasync.assembly.assemble`); without them, the built-in task's."""
     from fedasync.privacy.dp import check_model, check_secure_mode
-    from fedasync.task.data import load_federated
-    from fedasync.task.models import build_model
 
     p = cfg.privacy
     if p.central_dp.enabled and cfg.server.strategy != "fedbuff":
@@ -98,23 +98,34 @@ def check_runnable(cfg: Config) -> None:
         raise PrivacyError("privacy.central_dp: needs server.weighting uniform (the sensitivity is per client)")
     if p.local_dp.enabled:
         check_secure_mode(p.local_dp.secure_mode)
-        fed = load_federated(cfg.data, cfg.seed)
-        check_model(build_model(cfg.model, fed.input_shape, fed.num_classes))
-        plan_clients(cfg, fed.sizes())  # resolves every budget and calibrates sigma (cached)
+        if sizes is None or model is None:
+            from fedasync.task.data import load_federated
+            from fedasync.task.models import build_model
+
+            fed = load_federated(cfg.data, cfg.seed)
+            sizes = fed.sizes()
+            model = lambda: build_model(cfg.model, fed.input_shape, fed.num_classes)  # noqa: E731
+        check_model(model())
+        plan_clients(cfg, list(sizes))  # resolves every budget and calibrates sigma (cached)
 
 
 class PrivacyTracker:
     """Per-client accountants (their histories) and central DP accounting for one run."""
 
-    def __init__(self, cfg: Config, store, run_id: int, strategy, resumed: bool = False) -> None:
-        from fedasync.task.data import load_federated
-
+    def __init__(self, cfg: Config, store, run_id: int, strategy, resumed: bool = False,
+                 sizes: list[int] | None = None, model: Any = None) -> None:
+        """``sizes``/``model``: the run's client sizes and ``task.model`` (its parts); without them
+        the built-in task's are loaded (:func:`check_runnable`)."""
         self.cfg = cfg
         self.store = store
         self.run_id = run_id
         self.local = cfg.privacy.local_dp.enabled
         self.central = cfg.privacy.central_dp if cfg.privacy.central_dp.enabled else None
-        check_runnable(cfg)
+        if sizes is None and self.local:
+            from fedasync.task.data import load_federated
+
+            sizes = load_federated(cfg.data, cfg.seed).sizes()
+        check_runnable(cfg, sizes, model)
         try:
             run = store.get_run(run_id)
             self.mode = run.mode
@@ -130,8 +141,7 @@ class PrivacyTracker:
         self.eps: dict[int, float] = {c: 0.0 for c in range(n)}
         self.tasks_done: dict[int, int] = {c: 0 for c in range(n)}
         if self.local:
-            sizes = load_federated(cfg.data, cfg.seed).sizes()
-            self.plans = plan_clients(cfg, sizes)
+            self.plans = plan_clients(cfg, list(sizes))
         if resumed:
             for row in store.clients(run_id):
                 if row.accountant_state:

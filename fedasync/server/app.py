@@ -42,6 +42,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
+from fedasync.assembly import assemble
 from fedasync.config import Config, load_config
 from fedasync.server.control import open_messages
 from fedasync.server.loop import AsyncServer
@@ -311,6 +312,8 @@ class Job:
     expected_nodes: int = 1
     settle_s: float = 0.0  # then wait until no node has joined for this long (flwr run: its federation's size)
     resume_run_id: int | None = None  # continue this run (the first config only)
+    # label, config, resumed -> the run's parts (fedasync.assembly.assemble), built before its store
+    make_parts: Callable[[str, Config, bool], Any] | None = None
     results: list[dict] = field(default_factory=list)
     error: BaseException | None = None
     error_text: str | None = None
@@ -340,11 +343,13 @@ def run_job(job: Job, grid: Grid) -> None:
         for i, (label, cfg) in enumerate(job.configs):
             if job.stop_signal is not None:
                 break
+            resume = job.resume_run_id if i == 0 else None
+            parts = (job.make_parts or (lambda _l, c, r: assemble(c, resume=r)))(label, cfg, resume is not None)
             store = job.make_store(label, cfg)
             progress = job.progress(label, cfg) if job.progress else None
             server = AsyncServer(cfg, transport, store, clock="virtual", progress=progress,
                                  node_for_client=lambda c, nodes=nodes: nodes[c % len(nodes)],
-                                 resume_run_id=job.resume_run_id if i == 0 else None)
+                                 resume_run_id=resume, parts=parts)
             job.server = server
             if job.stop_signal is not None:  # a signal while it was being built
                 server.stop.signal = job.stop_signal
@@ -389,6 +394,7 @@ def main(grid: Grid, context: Context) -> None:
     path = str(rc.get("config", "")) or None
     overrides = [o for o in str(rc.get("overrides", "")).split(";") if o.strip()]
     cfg = load_config(path, overrides)
+    base_dir = Path(path).resolve().parent if path else None  # where `task:` is imported from
     out = new_run_dir(Path("runs"), cfg.name)
 
     def make_store(label: str, c: Config):
@@ -401,7 +407,8 @@ def main(grid: Grid, context: Context) -> None:
     n = cfg.simulation.num_supernodes
     job = Job(configs=[(cfg.server.strategy, cfg)], make_store=make_store,
               on_result=lambda label, c, s: write_run_outputs(out, c, s),
-              expected_nodes=min(cfg.data.num_clients, n or 1), settle_s=0.0 if n else 2.0)
+              expected_nodes=min(cfg.data.num_clients, n or 1), settle_s=0.0 if n else 2.0,
+              make_parts=lambda label, c, resumed: assemble(c, base_dir=base_dir, resume=resumed))
     with private_umask():  # the run directory (0700) and what the run creates in it (0600)
         run_job(job, grid)
     if job.error is not None:
@@ -485,10 +492,11 @@ def _run_deployment(grid: Grid, job: dict) -> dict:
             log.info("v%d  updates=%d accepted=%d live=%d acc=%s", ev["version"], ev["updates"], ev["accepted"],
                      ev["live"], "-" if ev.get("accuracy") is None else f"{ev['accuracy']:.4f}")
 
+        parts = assemble(cfg, mode="deployment", resume=job.get("resume") is not None, base_dir=job.get("base_dir"))
         server = AsyncServer(cfg, transport, store, clock="wall", mode="deployment", progress=progress,
                              resume_run_id=job.get("resume"), node_for_client=transport.node_for_client,
                              available_clients=transport.available_clients,
-                             public_keys=keys if cfg.deploy.signing else None)
+                             public_keys=keys if cfg.deploy.signing else None, parts=parts)
         run_id = server.run_id
         transport.run_id = run_id
         _write_status(out, state="running", run_id=run_id, store_url=store.url)

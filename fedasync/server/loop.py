@@ -42,19 +42,19 @@ from typing import Any, Callable
 
 import numpy as np
 
+from fedasync.assembly import RunParts, assemble, reached
 from fedasync.config import Config
 from fedasync.server import progress, resume
-from fedasync.server.clock import VirtualClock, WallClock, make_profiles, task_duration
+from fedasync.server.clock import VirtualClock, WallClock, task_duration
 from fedasync.server.control import ROUND_CLOSED, StopControl, cancel_dropped, no_task_reason
 from fedasync.server.records import Digests, replay_row, update_row
 from fedasync.server.idle import IdleClients
 from fedasync.server.params import Tail, one_blas_thread
-from fedasync.server.policy import Policies
 from fedasync.server.progress import Liveness
 from fedasync.server.retention import Retention
-from fedasync.server.strategies import Update, make_strategy, params_sha256
+from fedasync.server.strategies import Update, params_sha256
 from fedasync.server.summary import build_summary, progress_event
-from fedasync.server.transport import Live, Reply, TaskMsg, Transport, client_setup_json, task_seed
+from fedasync.server.transport import Live, Reply, TaskMsg, Transport, task_seed
 from fedasync.server.validation import UpdateValidator
 from fedasync.signing import num_examples_of
 from fedasync.store import Store
@@ -77,13 +77,16 @@ class AsyncServer:
         node_for_client: Callable[[int], int | None] | None = None,
         available_clients: Callable[[], set[int]] | None = None,
         public_keys: dict[int, Any] | None = None,
+        parts: RunParts | None = None,
     ):
-        """``public_keys`` (client id -> Ed25519 public key) turns signature checks on;
-        ``available_clients`` (deployment) names the clients that have a node now."""
-        from fedasync.task.data import load_federated, load_test
-        from fedasync.task.models import build_model, init_params
-
+        """``parts``: what :func:`fedasync.assembly.assemble` built for ``cfg`` (None: it is called
+        here); the constructor neither loads data nor builds models. ``public_keys`` (client id ->
+        Ed25519 public key) turns signature checks on; ``available_clients`` (deployment) names the
+        clients that have a node now."""
+        if parts is None:
+            parts = assemble(cfg, mode=mode, resume=resume_run_id is not None)
         self.cfg = cfg
+        self.parts = parts
         self.transport = transport
         self.store = store
         store.retry_for_s = cfg.store.retry_for_s  # the database away: how long each write waits (store/retry.py)
@@ -93,15 +96,12 @@ class AsyncServer:
         self.mode = mode
         self.node_for_client = node_for_client
         self.available_clients = available_clients
-        fed = load_federated(cfg.data, cfg.seed)
-        self.x_test, self.y_test = load_test(cfg.data, cfg.seed)
-        self.eval_model = build_model(cfg.model, fed.input_shape, fed.num_classes)
-        self.num_examples = [len(p[1]) for p in fed.partitions]
-        self.profiles = make_profiles(cfg.data.num_clients, cfg.clock, cfg.seed)
-        central = cfg.privacy.central_dp if cfg.privacy.central_dp.enabled else None
-        self.strategy = make_strategy(cfg.server, cfg.weighting, cfg.seed, central_dp=central,
-                                      reproducible_noise=cfg.privacy.reproducible_noise)
-        self.policy = Policies(cfg, fed, mode)  # server.scheduler, delay_compensation, robust; attack
+        self.evaluator = parts.evaluator  # params -> the task's metrics
+        self.target = cfg.server.goal()  # server.target (or target_accuracy): a metric, a value, max|min
+        self.num_examples = parts.num_examples
+        self.profiles = parts.profiles
+        self.strategy = parts.strategy
+        self.policy = parts.policy  # server.scheduler, delay_compensation, robust; attack
         self.scheduler = self.policy.scheduler
         self.client_config = client_config or (lambda cid: {})
         self.live: dict[int, Live] = {}
@@ -128,7 +128,7 @@ class AsyncServer:
         self._strategy_snapshot = self.strategy.state_dict()
         self._scheduler_snap: dict | None = None  # resume.loop_state's last scheduler snapshot (id, sizes)
         if resume_run_id is None:
-            self.params = init_params(cfg.model, fed.input_shape, fed.num_classes, cfg.seed)
+            self.params = parts.initial_params()
             self.version = 0
             self.next_task = 0
             self.run_id = store.create_run(cfg.name, cfg.server.strategy, cfg.seed, cfg.to_yaml(), mode)
@@ -145,13 +145,9 @@ class AsyncServer:
         self.model_bytes = int(sum(a.nbytes for a in self.params.values()))
         self.validator = validator or UpdateValidator(self.params, cfg.server, public_keys=public_keys)
         self.base_cache: dict[int, Params] = {self.version: self.params}
-        self.setup_json = client_setup_json(cfg, fed)
-        self.privacy = None
-        if cfg.privacy.local_dp.enabled or cfg.privacy.central_dp.enabled:
-            from fedasync.privacy.tracker import PrivacyTracker
-
-            self.privacy = PrivacyTracker(cfg, store, self.run_id, self.strategy,
-                                          resumed=resume_run_id is not None)
+        self.setup_json = parts.setup_json
+        self.privacy = None if parts.make_privacy is None else \
+            parts.make_privacy(store, self.run_id, self.strategy, resume_run_id is not None)
         self.policy.observe_budgets(self.privacy, range(cfg.data.num_clients))
         self.stop = StopControl(None if self.virtual else
                                 lambda: self.store.get_run(self.run_id).status == "stopping")
@@ -503,18 +499,13 @@ class AsyncServer:
 
     # -- evaluation and progress -------------------------------------------------------
     def _evaluate(self) -> None:
-        from fedasync.task.models import set_params
-        from fedasync.task.train import evaluate
-
-        set_params(self.eval_model, self.tail.mean())
-        loss, acc = evaluate(self.eval_model, self.x_test, self.y_test)
+        metrics = self.evaluator(self.tail.mean())  # the task's metrics (TargetError: no target metric)
         if self.history and self.history[-1]["version"] == self.version:
             return
-        self.history.append({"version": self.version, "virtual_time_s": round(self.clock.now, 6),
-                             "accuracy": acc, "loss": loss})
-        self.store.record_eval(self.run_id, self.version, acc, loss)
-        target = self.cfg.server.target_accuracy
-        if target is not None and self.time_to_target is None and acc >= target:
+        self.history.append({"version": self.version, "virtual_time_s": round(self.clock.now, 6), **metrics})
+        self.store.record_eval(self.run_id, self.version, metrics.get("accuracy"), metrics.get("loss"),
+                               metrics=metrics)
+        if self.target is not None and self.time_to_target is None and reached(self.target, metrics):
             self.time_to_target = self.clock.now
 
     def _emit(self) -> None:
@@ -530,7 +521,7 @@ class AsyncServer:
         if progress.stalled(self):
             return progress.NO_PROGRESS
         if s.stop_at_target and self.time_to_target is not None:
-            return "target_accuracy"
+            return "target_accuracy" if s.target_accuracy is not None else "target"
         if s.max_wall_time is not None and time.time() - self.t_wall0 >= s.max_wall_time:
             return "max_wall_time"
         if not self.virtual and s.max_virtual_time is not None and self.clock.now >= s.max_virtual_time:

@@ -88,11 +88,14 @@ def kept_model(load_version: Any, v: int, who: str, then: str, detail: str = "")
 class Policies:
     """Scheduler, delay compensation, filter and attack of one run (see the module docstring)."""
 
-    def __init__(self, cfg: Config, fed: Any, mode: str = "simulation") -> None:
+    def __init__(self, cfg: Config, validation: Any = None, mode: str = "simulation", scheduler: Any = None) -> None:
+        """``validation(size) -> (params -> gradient)``: Zeno++'s validation gradient on ``size``
+        training samples (the task's loss; :func:`fedasync.assembly.assemble` builds it);
+        ``scheduler``: used instead of the one ``server.scheduler`` names."""
         if mode != "simulation":
             check_no_attack(cfg)  # ConfigError: a deployed server never simulates attackers
         self.cfg = cfg
-        self.scheduler = scheduler_from_config(cfg.server.scheduler, cfg.seed)
+        self.scheduler = scheduler or scheduler_from_config(cfg.server.scheduler, cfg.seed)
         self.touched: set[int] = set()  # clients whose scheduler state changed (resume.loop_state clears it)
         self.compensate = make_delay_compensation(cfg.server.delay_compensation)
         self.filter = robust.make_filter(cfg.server.robust)
@@ -108,14 +111,12 @@ class Policies:
         self._sent: dict[int, int] = {}  # stale attack: task id -> the version its attacker was sent
         self._remembered: dict[int, int] = {}  # kardam: client -> task id of the update it remembers
         self._just_remembered: tuple[Params, int | None] | None = None  # see :meth:`take_remembered`
-        self._zeno_model = None
-        self._zeno_xy = None
+        self._zeno_grad = None
         if isinstance(self.filter, robust.ZenoPlusPlus):
-            from fedasync.task.models import build_model
-
+            if validation is None:
+                raise ValueError("server.robust.filter zeno++: needs a validation gradient (assembly.assemble)")
             # the validation set comes from the training partitions, never from the test set
-            self._zeno_xy = robust.validation_split(fed.partitions, cfg.server.robust.validation_size, cfg.seed)
-            self._zeno_model = build_model(cfg.model, fed.input_shape, fed.num_classes)
+            self._zeno_grad = validation(cfg.server.robust.validation_size)
 
     # -- scheduling ------------------------------------------------------------------------
     def eligible(self, idle: list[int]) -> list[int]:
@@ -212,11 +213,7 @@ class Policies:
 
     # -- judging an update -----------------------------------------------------------------------
     def _refresh_zeno(self, params: Params, version: int) -> None:
-        from fedasync.task.models import set_params
-        from fedasync.task.train import gradient
-
-        set_params(self._zeno_model, params)
-        self.filter.set_validation_gradient(gradient(self._zeno_model, *self._zeno_xy), version)
+        self.filter.set_validation_gradient(self._zeno_grad(params), version)
 
     def judge(self, upd: Update, params: Params, version: int) -> str | None:
         """Filter then compensate ``upd`` (its ``params`` may be replaced) against the global model

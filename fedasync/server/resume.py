@@ -12,9 +12,11 @@ first new tasks. :func:`check_resume_config` says whether a config may continue 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 from typing import TYPE_CHECKING, Any
 
+from fedasync.assembly import reached
 from fedasync.config import Config
 from fedasync.server.clock import WallClock
 from fedasync.server.control import ROUND_CLOSED, backups_spend
@@ -165,13 +167,15 @@ def restore(srv: AsyncServer, run_id: int) -> None:
             srv.exhausted.add(row.client_id)
     sync_counts(srv)
     srv.liveness.load_state_dict((state or {}).get("liveness"), srv.received)  # (written before: None)
-    for v in store.versions(run_id):
-        if v.accuracy is not None:
-            srv.history.append({"version": v.version, "virtual_time_s": round(v.created_virtual, 6),
-                                "accuracy": v.accuracy, "loss": v.loss})
-    target = srv.cfg.server.target_accuracy
+    for v in store.versions(run_id):  # each evaluation: its metrics (a row written before 0007: accuracy, loss)
+        metrics = json.loads(v.metrics) if v.metrics else (
+            {"accuracy": v.accuracy, "loss": v.loss} if v.accuracy is not None else None)
+        if metrics:
+            srv.history.append({"version": v.version, "virtual_time_s": round(v.created_virtual, 6), **metrics})
+    target = srv.target
     if target is not None and srv.time_to_target is None:  # killed before a loop state held it
-        srv.time_to_target = next((h["virtual_time_s"] for h in srv.history if h["accuracy"] >= target), None)
+        srv.time_to_target = next((h["virtual_time_s"] for h in srv.history
+                                   if target.metric in h and reached(target, h)), None)
     store.set_run_status(run_id, "running")
     log.info("resumed run %d at version %d (%d in-flight tasks re-dispatched)", run_id, srv.version, len(pending))
 
@@ -242,7 +246,7 @@ def check_resume_config(stored_yaml: str, cfg: Config) -> str | None:
     import yaml
 
     may_change = {("server", k) for k in ("max_versions", "max_virtual_time", "max_wall_time",
-                                           "target_accuracy", "stop_at_target", "task_timeout", "late_policy",
+                                           "target_accuracy", "target", "stop_at_target", "task_timeout", "late_policy",
                                            "poll_interval", "eval_every", "max_rejected_in_a_row")} | {("store",), ("deploy",), ("name",),
                                                                                ("simulation",)}
     from fedasync.config import ConfigError, config_from_dict

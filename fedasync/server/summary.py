@@ -1,5 +1,5 @@
-"""A run's summary (``summary.json``, the CLI's table): counts, times, accuracy, staleness; and its
-progress events."""
+"""A run's summary (``summary.json``, the CLI's table): counts, times, the task's metrics, staleness;
+and its progress events."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ def progress_event(srv: AsyncServer) -> dict:
     last = srv.history[-1] if srv.history else {}
     return {
         "version": srv.version, "virtual_time_s": srv.clock.now, "accuracy": last.get("accuracy"),
+        "metrics": metrics_of(last),
         "updates": srv.received, "accepted": srv.accepted, "live": len(srv.live),
         "max_versions": srv.cfg.server.max_versions, "max_virtual_time": srv.cfg.server.max_virtual_time,
         "epsilon_max": srv.privacy.epsilon_max if srv.privacy is not None else None,
@@ -30,10 +31,18 @@ def progress_event(srv: AsyncServer) -> dict:
     }
 
 
+def metrics_of(row: dict) -> dict:
+    """The metrics of a history row (every key but ``version`` and ``virtual_time_s``)."""
+    return {k: v for k, v in row.items() if k not in ("version", "virtual_time_s")}
+
+
 def build_summary(srv: AsyncServer) -> dict:
-    """The summary of ``srv``'s run as it stands."""
+    """The summary of ``srv``'s run as it stands. ``final_metrics``: the last evaluation's metrics
+    (every one the task reports); ``target``: ``server.target`` (or ``target_accuracy`` as
+    ``{accuracy, v, max}``); ``final_accuracy``/``best_accuracy`` when the task reports accuracy."""
     cfg = srv.cfg
-    accs = [h["accuracy"] for h in srv.history]
+    accs = [h["accuracy"] for h in srv.history if h.get("accuracy") is not None]
+    goal = cfg.server.goal()
     st = srv.staleness
     return {
         "run_id": srv.run_id,
@@ -54,6 +63,8 @@ def build_summary(srv: AsyncServer) -> dict:
         "wall_time_s": round(time.time() - srv.t_wall0, 3),
         "final_accuracy": accs[-1] if accs else None,
         "best_accuracy": max(accs) if accs else None,
+        "final_metrics": metrics_of(srv.history[-1]) if srv.history else {},
+        "target": goal.model_dump() if goal is not None else None,
         "target_accuracy": cfg.server.target_accuracy,
         "time_to_target_s": None if srv.time_to_target is None else round(srv.time_to_target, 6),
         "staleness": {

@@ -124,6 +124,7 @@ class ModelVersion(Base):
     created_wall: Mapped[float] = mapped_column(Float)
     accuracy: Mapped[float | None] = mapped_column(Float, nullable=True)
     loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    metrics: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON: every metric of the evaluation
 
 
 class PrivacySpend(Base):

@@ -204,9 +204,15 @@ class Store:
             return list(s.scalars(select(S.ModelVersion).where(S.ModelVersion.run_id == run_id)
                                   .order_by(S.ModelVersion.version)))
 
-    def record_eval(self, run_id: int, version: int, accuracy: float, loss: float) -> None:
-        self._write(lambda c: c.execute(
-            update(_MV).where(_MV.c.run_id == run_id, _MV.c.version == version).values(accuracy=accuracy, loss=loss)))
+    def record_eval(self, run_id: int, version: int, accuracy: float | None, loss: float | None,
+                    metrics: dict[str, float] | None = None) -> None:
+        """Version ``version``'s evaluation: ``accuracy`` and ``loss`` (None: the task has no such
+        metric) and every metric the task reported (``metrics``, JSON)."""
+        import json
+
+        text = None if metrics is None else json.dumps(metrics, allow_nan=True)
+        self._write(lambda c: c.execute(update(_MV).where(_MV.c.run_id == run_id, _MV.c.version == version)
+                                        .values(accuracy=accuracy, loss=loss, metrics=text)))
 
     # -- dispatches and replies (SQLAlchemy Core: the loop's hot path) -----------------
     @contextmanager
