@@ -78,3 +78,76 @@ def test_new_refuses_an_existing_non_empty_directory(tmp_path, monkeypatch):
     (tmp_path / "afile").write_text("")
     r = CliRunner().invoke(app, ["new", "fine", "--dir", "afile"])
     assert r.exit_code == 2 and "not a directory" in r.output
+
+
+def _run(cmd: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="300")
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_new_project_installs_checks_simulates_and_its_tests_pass(tmp_path):
+    """The README's five minutes: fedasync new, pip install -e (into this environment, no deps, no
+    build isolation: nothing downloaded), fedasync task check, fedasync simulate, the project's own
+    tests; then the project is uninstalled again."""
+    name = "fedasync_t3_newproj"
+    root = tmp_path / "project"  # not the package's name: from tmp_path, only the installed package imports
+    r = CliRunner().invoke(app, ["new", name, "--dir", str(root)])
+    assert r.exit_code == 0, r.output
+    bin_dir = Path(sys.executable).parent
+    pip = _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", "."], root)
+    assert pip.returncode == 0, pip.stderr
+    try:
+        elsewhere = _run([sys.executable, "-c", f"import {name}.task as t; print(t.__file__)"], tmp_path)
+        assert elsewhere.returncode == 0 and str(root) in elsewhere.stdout, elsewhere.stderr  # installed
+        check = _run([str(bin_dir / "fedasync"), "task", "check", "config.yaml"], root)
+        assert check.returncode == 0, check.stderr
+        out = check.stdout
+        assert f"task {name}.task" in out and "4,810 parameters" in out  # 64*64+64 + 64*10+10
+        assert "first batch ([32, 64] float32, [32] int64)" in out
+        assert "one DP-SGD (noise multiplier" in out and "evaluate on load_centralized() (359 samples)" in out
+        sim = _run([str(bin_dir / "fedasync"), "simulate", "config.yaml", "--out", "run",
+                    "--set", "server.max_versions=6", "--set", "server.eval_every=3"], root)
+        assert sim.returncode == 0, sim.stderr
+        summary = json.loads((root / "run" / "summary.json").read_text())
+        assert summary["versions"] == 6 and summary["strategy"] == "fedbuff"
+        assert summary["privacy"]["epsilon_max"] > 0  # local DP on, as the template configures it
+        tests = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], root)
+        assert tests.returncode == 0, tests.stdout[-3000:]
+        assert "3 passed" in tests.stdout
+    finally:
+        gone = _run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", name], tmp_path)
+        assert gone.returncode == 0, gone.stderr
+    gone = _run([sys.executable, "-c", f"import {name}"], tmp_path)
+    assert gone.returncode != 0
+
+
+def test_task_check_refuses_a_broken_task_with_one_line(tmp_path):
+    """Each bad task is the TaskError's one line, exit 2: no model, a wrong signature, a Dataset that
+    yields nothing, a module that does not import, a layer Opacus cannot train under DP, a target
+    metric evaluate does not return."""
+    from fedasync.templates import new_project
+
+    new_project("proj", tmp_path)
+    task_py = tmp_path / "proj" / "task.py"
+    good = task_py.read_text()
+    cases = [
+        (good.replace("def model(", "def not_model("), [], "task proj.task: no model function"),
+        (good.replace("def load_data(partition_id: int, num_partitions: int,", "def load_data(partition_id: int,"),
+         [], "task proj.task: load_data"),
+        (good.replace("    (x, y), _ = _digits()\n", "    (x, y), _ = _digits()\n    x, y = x[:0], y[:0]\n"),
+         [], "yields nothing"),
+        ("import not_a_module_anywhere\n" + good, [], "the module does not import"),
+        (good.replace("nn.Linear(64, hidden), nn.ReLU()", "nn.Linear(64, hidden), nn.BatchNorm1d(hidden), nn.ReLU()"),
+         [], "BatchNorm"),
+        (good, ["--set", "server.target.metric=f1"], "server.target.metric: 'f1' is not a metric"),
+    ]
+    for source, extra, said in cases:
+        for mod in [m for m in sys.modules if m == "proj" or m.startswith("proj.")]:
+            del sys.modules[mod]
+        task_py.write_text(source)
+        r = CliRunner().invoke(app, ["task", "check", str(tmp_path / "config.yaml"), *extra], env={"COLUMNS": "300"})
+        lines = [ln for ln in r.output.strip().splitlines() if ln]
+        assert r.exit_code == 2 and said in r.output, (said, r.output)
+        assert len(lines) == 1, r.output
+    for mod in [m for m in sys.modules if m == "proj" or m.startswith("proj.")]:
+        del sys.modules[mod]

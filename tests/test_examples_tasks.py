@@ -1,0 +1,203 @@
+"""The user-task examples of issue 33 (``examples/*_task.py``), each run at a small size through
+``fedasync.simulate``: a regression with RMSE as a ``mode: min`` target, a sequence task whose
+Dataset yields dicts (its own loss and metrics), and the MNIST CNN written as a user task, which
+trains the same model (sha256) as the built-in ``fedavg_cnn`` path for the same seed. Also
+``fedasync client --task``: the node config carries the task, a bad task is one line."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "fedasync" / "examples"
+
+
+def _example(name: str) -> dict:
+    return yaml.safe_load((EXAMPLES / name).read_text())
+
+
+def test_each_example_task_provides_the_interface_and_its_data_is_deterministic():
+    """Every function of each example through fedasync's loader: datasets non-empty, the model
+    takes a batch, the loss is a scalar, evaluate returns the metrics the YAML aims at; two loads
+    give identical data (a device and the simulation make the same samples)."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from fedasync.task.interface import check_nonempty, load_task
+
+    for task_file, yaml_file, metric in (("diabetes_task", "diabetes.yaml", "rmse"),
+                                         ("sequence_task", "sequence.yaml", "accuracy")):
+        cfg = _example(yaml_file)
+        assert cfg["task"] == task_file and cfg["server"]["target"]["metric"] == metric
+        task = load_task(cfg["task"], cfg["task_args"], EXAMPLES)
+        n = cfg["data"]["num_clients"]
+        train, test = task.load_data(n - 1, n)
+        check_nonempty(train, "train")
+        check_nonempty(test, "test")
+        again, _ = task.load_data(n - 1, n)
+        b1, b2 = next(iter(DataLoader(train, batch_size=8))), next(iter(DataLoader(again, batch_size=8)))
+        for t1, t2 in zip(*(b.values() if isinstance(b, dict) else b for b in (b1, b2))):
+            assert torch.equal(t1, t2)
+        model = task.model()
+        loss = task.loss(model, b1)
+        assert loss.ndim == 0 and torch.isfinite(loss)
+        metrics = task.evaluate(model, DataLoader(task.load_centralized(), batch_size=64))
+        assert metric in metrics and "loss" in metrics
+
+
+def _small(**extra) -> dict:
+    sets = {"server.max_versions": 12, "server.eval_every": 4, "store.save_parameters": False}
+    sets.update(extra)
+    return sets
+
+
+def test_diabetes_regression_reaches_an_rmse_target_with_mode_min(tmp_path):
+    import fedasync
+
+    res = fedasync.simulate(str(EXAMPLES / "diabetes.yaml"), out=tmp_path / "run",
+                            set=_small(**{"server.target.value": 70.0}))
+    hist = res.history
+    assert all("rmse" in h and "loss" in h for h in hist)
+    assert "accuracy" not in hist[-1]  # a regression: only the metrics its evaluate returns
+    first, last = hist[0]["rmse"], hist[-1]["rmse"]
+    assert first > 70.0 > last  # learned from the mean's ~77 to below the target
+    s = res.summary
+    assert s["versions"] == 12
+    reached = next(h for h in hist if h["rmse"] <= 70.0)
+    assert s["time_to_target_s"] == pytest.approx(reached["virtual_time_s"])
+    rows = (tmp_path / "run" / "history.csv").read_text().splitlines()
+    assert "rmse" in rows[0].split(",")
+
+
+def test_sequence_task_with_dict_batches_and_its_own_loss_learns(tmp_path):
+    import fedasync
+
+    res = fedasync.simulate(str(EXAMPLES / "sequence.yaml"), out=tmp_path / "run",
+                            set=_small(**{"server.max_versions": 24, "server.eval_every": 8,
+                                          "task_args.samples": 64}))
+    hist = res.history
+    assert hist[0]["accuracy"] < 0.5  # three classes: chance is 1/3
+    assert hist[-1]["accuracy"] > 0.75
+    assert res.summary["versions"] == 24
+    assert res.summary["target"] == {"metric": "accuracy", "value": 0.9, "mode": "max"}
+
+
+def _mnist_like(path: Path) -> None:
+    """A small MNIST-shaped file: uint8 8x8 images of 4 learnable classes (a bright row each), as
+    tests/test_data_files.py makes them."""
+    def images(n, seed):
+        rng = np.random.default_rng(seed)
+        y = np.arange(n) % 4
+        rng.shuffle(y)
+        x = rng.integers(0, 60, size=(n, 8, 8)).astype(np.uint8)
+        for i, c in enumerate(y):
+            x[i, 2 * c: 2 * c + 2, :] = 250
+        return x, y.astype(np.int64)
+
+    x, y = images(160, 0)
+    xt, yt = images(40, 1)
+    np.savez(path, x_train=x, y_train=y, x_test=xt, y_test=yt)
+
+
+def test_mnist_as_a_user_task_trains_the_same_model_as_the_builtin_path(tmp_path):
+    """examples/mnist_task.py and the built-in fedavg_cnn on the same file, IID split, seed and
+    server: the final models are identical (sha256), so the user-task path adds nothing and
+    loses nothing."""
+    import fedasync
+
+    npz = tmp_path / "mnist.npz"
+    _mnist_like(npz)
+    common = {"server.max_versions": 6, "server.eval_every": 3, "server.concurrency": 4,
+              "server.buffer_size": 2, "data.num_clients": 4, "train.local_steps": 3, "seed": 7}
+    builtin = dict(common, **{"task": None, "data.dataset": "files", "data.path": str(npz),
+                              "data.partitioner": "iid", "model.name": "fedavg_cnn"})
+    user = dict(common, **{"task_args.path": str(npz), "task_args.side": 8, "task_args.num_classes": 4})
+    a = fedasync.simulate(str(EXAMPLES / "mnist_task.yaml"), set=builtin, out=tmp_path / "builtin")
+    b = fedasync.simulate(str(EXAMPLES / "mnist_task.yaml"), set=user, out=tmp_path / "user")
+    assert a.summary["versions"] == b.summary["versions"] == 6
+    assert a.summary["model_sha256"] == b.summary["model_sha256"]
+    assert [h["accuracy"] for h in a.history] == [h["accuracy"] for h in b.history]
+    # and the seed matters: another seed, another model
+    c = fedasync.simulate(str(EXAMPLES / "mnist_task.yaml"), set=dict(user, seed=8), out=tmp_path / "user8")
+    assert c.summary["model_sha256"] != b.summary["model_sha256"]
+
+
+# -- fedasync client --task ---------------------------------------------------------------------
+
+
+def _client_args(*extra: str) -> list[str]:
+    return ["client", "--superlink", "127.0.0.1:9092", "--partition-id", "1", "--num-partitions", "4",
+            "--insecure", "--no-signing", "--no-supernode-auth", *extra]
+
+
+def test_client_task_reaches_the_clientapp_as_node_config(tmp_path, monkeypatch):
+    from fedasync.cli import app
+
+    monkeypatch.chdir(EXAMPLES)  # the device's environment: the task module imports from here
+    started = {}
+    monkeypatch.setattr(os, "execve", lambda exe, cmd, env: started.setdefault("cmd", cmd))
+    r = CliRunner().invoke(app, _client_args("--task", "sequence_task", "--privacy-state-dir", str(tmp_path / "s")))
+    assert r.exit_code == 0, r.output
+    cmd = started["cmd"]
+    node = dict(kv.split("=", 1) for kv in cmd[cmd.index("--node-config") + 1].split(" "))
+    assert json.loads(node["task"]) == "sequence_task"
+    assert "data-path" not in node
+
+
+def test_client_task_with_its_own_data_file(tmp_path, monkeypatch):
+    """--data with --task is whatever the task's load_data reads (here mnist_task's x/y .npz)."""
+    from fedasync.cli import app
+
+    monkeypatch.chdir(EXAMPLES)
+    x = np.random.default_rng(0).integers(0, 255, size=(20, 8, 8)).astype(np.uint8)
+    np.savez(tmp_path / "mine.npz", x=x, y=np.arange(20) % 4)
+    started = {}
+    monkeypatch.setattr(os, "execve", lambda exe, cmd, env: started.setdefault("cmd", cmd))
+    r = CliRunner().invoke(app, _client_args("--task", "mnist_task", "--data", str(tmp_path / "mine.npz"),
+                                             "--privacy-state-dir", str(tmp_path / "s")))
+    assert r.exit_code == 0, r.output
+    cmd = started["cmd"]
+    node = dict(kv.split("=", 1) for kv in cmd[cmd.index("--node-config") + 1].split(" "))
+    assert json.loads(node["task"]) == "mnist_task"
+    assert json.loads(node["data-path"]) == str((tmp_path / "mine.npz").resolve())
+
+
+@pytest.mark.parametrize("task, said", [
+    ("no_such_task_module", "--task: task no_such_task_module: no module named"),
+    ("./missing_task.py", "--task: task ./missing_task.py: no such file"),
+])
+def test_client_refuses_a_task_it_cannot_import(tmp_path, monkeypatch, task, said):
+    from fedasync.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "execve", lambda *a: pytest.fail("the SuperNode must not start"))
+    r = CliRunner().invoke(app, _client_args("--task", task, "--privacy-state-dir", str(tmp_path / "s")),
+                           env={"COLUMNS": "300"})
+    assert r.exit_code == 2 and said in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1
+    assert not (tmp_path / "s").exists()
+
+
+def test_client_refuses_a_task_that_cannot_load_the_devices_data(tmp_path, monkeypatch):
+    from fedasync.cli import app
+
+    (tmp_path / "broken_task.py").write_text(
+        "import torch\n"
+        "def model():\n    return torch.nn.Linear(2, 2)\n"
+        "def load_data(partition_id, num_partitions, data_path=None):\n"
+        "    return open(data_path).read(), None\n")
+    (tmp_path / "data.bin").write_bytes(b"\xff\xfe")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "execve", lambda *a: pytest.fail("the SuperNode must not start"))
+    r = CliRunner().invoke(app, _client_args("--task", "broken_task", "--data", "data.bin",
+                                             "--privacy-state-dir", str(tmp_path / "s")), env={"COLUMNS": "300"})
+    assert r.exit_code == 2 and "--task: task broken_task: load_data(1, 4, data_path=...) raised" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1
