@@ -106,6 +106,8 @@ class RunProgress:
         else:
             self.by, total = "version", None
         self.task = progress.add_task(label, total=total, info="")
+        goal = s.goal()
+        self.metric = goal.metric if goal is not None else None  # shown when the task has no accuracy
 
     def __call__(self, ev: dict) -> None:
         done = ev["version"] if self.by == "version" else ev["virtual_time_s"]
@@ -113,6 +115,12 @@ class RunProgress:
         info = f"v{ev['version']}  t={ev['virtual_time_s']:.1f}s  upd={ev['updates']}"
         if acc is not None:
             info += f"  acc={acc:.3f}"
+        else:  # a task without accuracy: its target's metric, else its first
+            m = ev.get("metrics") or {}
+            name = self.metric if self.metric in m else next(iter(m), None)
+            value = m.get(name)
+            if value is not None:
+                info += f"  {name}={value:.4g}"
         if ev.get("epsilon_max") is not None:
             info += f"  ε_max={ev['epsilon_max']:.2f}  exhausted={ev.get('exhausted', 0)}"
         self.p.update(self.task, completed=done, info=info)
@@ -153,6 +161,17 @@ def summary_table(rows: dict[str, dict], title: str) -> Table:
          else str(sum(s["robust"]["rejected"].values()))),
         ("stopped by", lambda s: str(s.get("stop_reason") or "-")),
     ]
+    others: dict[str, None] = {}  # a task's metrics beyond accuracy and loss: a row each, after best accuracy
+    for s in rows.values():
+        others.update((k, None) for k in s.get("final_metrics") or {} if k not in ("accuracy", "loss"))
+    at = 7
+    for k in others:
+        figures.insert(at, (f"final {k}", lambda s, k=k: fmt((s.get("final_metrics") or {}).get(k), ".4g")))
+        at += 1
+    goal = next((s.get("target") for s in rows.values() if s.get("target")), None)
+    if goal and goal["metric"] != "accuracy":
+        sign = ">=" if goal["mode"] == "max" else "<="
+        figures[at] = (f"time to {goal['metric']} {sign} {goal['value']:g} (virtual s)", figures[at][1])
     for name, get in figures:
         t.add_row(name, *[get(s) for s in rows.values()])
     return t
