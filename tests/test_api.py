@@ -161,3 +161,35 @@ def test_a_part_swapped_through_the_assembly(tmp_path):
     assert sched.dispatched[:5] == [19, 18, 17, 16, 15]
     assert [d.client_id for d in st.dispatches(srv.run_id)][:5] == [19, 18, 17, 16, 15]
     st.close()
+
+
+def test_zeno_validates_a_user_task_with_its_own_loss():
+    """server.robust.filter zeno++ on a user task: the validation gradient is the gradient of the
+    task's loss over (here: all of) the pooled training sets, at the model it is given."""
+    task = _task_object([])
+    cfg = small_config("data.num_clients=4", "server.concurrency=2", "server.robust.filter=zeno++",
+                       "server.robust.validation_size=1000",
+                       "server.target_accuracy=null")
+    parts = assemble(cfg, task=task)
+    params = parts.initial_params()
+    grad = parts.policy._zeno_grad(params)
+    model = parts.new_model(params)
+    xs, ys = zip(*(task.load_data(c, 4)[0] for c in range(4)))
+    x, y = torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys))
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    assert set(grad) == set(params)
+    for k, p in model.named_parameters():
+        np.testing.assert_allclose(grad[k], p.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_cli_refuses_a_task_that_does_not_load_and_writes_nothing(tmp_path):
+    from typer.testing import CliRunner
+
+    from fedasync.cli import app
+
+    out = tmp_path / "run"
+    res = CliRunner().invoke(app, ["simulate", "--backend", "local", "--out", str(out),
+                                   *[a for s in SMALL for a in ("--set", s)], "--set", "task=./no_such_task.py"])
+    assert res.exit_code == 2, res.output
+    assert "task ./no_such_task.py: no such file" in res.output
+    assert not out.exists()
