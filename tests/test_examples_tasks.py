@@ -201,3 +201,94 @@ def test_client_refuses_a_task_that_cannot_load_the_devices_data(tmp_path, monke
                                              "--privacy-state-dir", str(tmp_path / "s")), env={"COLUMNS": "300"})
     assert r.exit_code == 2 and "--task: task broken_task: load_data(1, 4, data_path=...) raised" in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1
+
+
+def test_server_refuses_a_task_that_does_not_import_before_anything_starts(tmp_path, monkeypatch):
+    """fedasync server imports a YAML's task from the YAML's folder, before any SuperLink starts."""
+    from fedasync.cli import app
+
+    (tmp_path / "cfgs").mkdir()
+    cfg = tmp_path / "cfgs" / "t.yaml"
+    cfg.write_text(yaml.safe_dump({"name": "t", "task": "not_here_task", "data": {"num_clients": 2},
+                                   "server": {"concurrency": 2, "buffer_size": 2}}))
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["server", str(cfg), "--insecure", "--no-supernode-auth", "--no-signing",
+                                 "--out", str(tmp_path / "run")], env={"COLUMNS": "300"})
+    assert r.exit_code == 2, r.output
+    assert f"task not_here_task: no module named 'not_here_task' in {tmp_path / 'cfgs'}" in r.output
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "cfgs" / "not_here_task.py").write_text("def model():\n    return 1\n"
+                                                       "def load_data(partition_id, num_partitions):\n    return 0\n")
+    r = CliRunner().invoke(app, ["server", str(cfg), "--insecure", "--no-supernode-auth", "--no-signing",
+                                 "--out", str(tmp_path / "run")], env={"COLUMNS": "300"})
+    assert r.exit_code == 2 and "model(...) returned int, not a torch.nn.Module" in r.output, r.output
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.deploy
+def test_two_devices_train_a_user_task_and_a_device_with_another_source_refuses(tmp_path, monkeypatch):
+    """The deployment path with a user task: the server imports sequence_task from its YAML's folder,
+    two devices (TLS, node authentication, signed updates) each from their own environment
+    (PYTHONPATH) with ``fedasync client --task sequence_task``; both train. A third device whose
+    sequence_task.py differs by one line refuses every task it gets (task_mismatch), so nothing of
+    it is accepted."""
+    import shutil
+    import subprocess
+
+    from fedasync.cli import app as cli_app
+    from tests.test_deploy import FEDASYNC, Processes, free_ports, wait_for_text
+
+    runner = CliRunner()
+    keys, certs = tmp_path / "keys", tmp_path / "certs"
+    assert runner.invoke(cli_app, ["keys", "gen", "--out", str(keys), "--clients", "3"]).exit_code == 0
+    assert runner.invoke(cli_app, ["certs", "gen", "--out", str(certs), "--host", "127.0.0.1"]).exit_code == 0
+    server_dir, same, other = tmp_path / "server", tmp_path / "device", tmp_path / "other"
+    for d in (server_dir, same, other):
+        d.mkdir()
+        shutil.copy(EXAMPLES / "sequence_task.py", d / "sequence_task.py")
+    (other / "sequence_task.py").write_text((other / "sequence_task.py").read_text() + "\n# edited on this device\n")
+    cfg = server_dir / "seq.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "name": "seqdeploy", "seed": 0, "task": "sequence_task", "task_args": {"samples": 32, "length": 32},
+        "data": {"num_clients": 3},
+        "train": {"local_steps": 4, "batch_size": 16, "lr": 0.1},
+        # each task sleeps ~2 s: one device alone could not finish the run before the others join
+        "clock": {"emulate": True, "time_scale": 2.0, "sigma": 0.0, "jitter": 0.0},
+        "server": {"strategy": "fedasync", "concurrency": 3, "max_versions": 8, "eval_every": 8,
+                   "task_timeout": 300},
+        "deploy": {"public_keys": str(keys), "node_discovery_timeout": 300},
+    }))
+    home, out = tmp_path / "flwr", tmp_path / "run"
+    (link_port,) = free_ports(1)
+    procs = Processes(home)
+    try:
+        server = procs.start([FEDASYNC, "server", str(cfg), "--host", "127.0.0.1", "--port", str(link_port),
+                              "--certs", str(certs), "--supernode-auth", str(keys), "--out", str(out)],
+                             tmp_path / "server.out", home / "server")
+        wait_for_text(tmp_path / "server.out", "registered 3 SuperNode key(s)", 180, server)
+        monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+        for i, env_dir in enumerate((same, same, other)):
+            monkeypatch.setenv("PYTHONPATH", str(env_dir))  # the device's own environment holds its task
+            procs.start([FEDASYNC, "client", "--superlink", f"127.0.0.1:{link_port}", "--partition-id", str(i),
+                         "--num-partitions", "3", "--root-certificates", str(certs / "ca.crt"),
+                         "--auth-key", str(keys / f"supernode-{i}.key"), "--signing-key", str(keys / f"client-{i}.key"),
+                         "--task", "sequence_task"],
+                        tmp_path / f"client-{i}.log", home / "devices")
+        try:
+            rc = server.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("server did not finish:\n" + (out / "server.log").read_text()[-3000:])
+        assert rc == 0, (tmp_path / "server.out").read_text()[-3000:] + (out / "server.log").read_text()[-3000:]
+    finally:
+        procs.stop_all()
+
+    logs = [(tmp_path / f"client-{i}.log").read_text(errors="replace") for i in range(3)]
+    assert not any("Traceback" in t for t in logs[:2]), logs
+    assert "task_mismatch" in logs[2] or "differs from the server's" in logs[2], logs[2][-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["versions"] == 8 and "accuracy" in summary["history"][-1]
+    from fedasync.store import Store
+
+    store = Store(summary["store_url"], create=False)
+    ups = store.updates(summary["run_id"])
+    assert {u.client_id for u in ups if u.accepted} == {0, 1}, [(u.client_id, u.accepted, u.reason) for u in ups]

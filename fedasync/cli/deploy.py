@@ -338,7 +338,16 @@ def server(
     except RunError as e:
         fail(str(e))
     deployable_or_exit(cfg)  # privacy.reproducible_noise: exit 2
-    data_or_exit(cfg)  # data and model: exit 2 naming the key
+    base_dir = Path(config).resolve().parent if config is not None else None  # where `task:` imports from
+    if cfg.task:  # a user task: it must import (the ServerApp imports it from base_dir) and build its model
+        from fedasync.task.interface import TaskError, task_from_config
+
+        try:
+            task_from_config(cfg, base_dir=base_dir).model()
+        except TaskError as e:
+            fail(str(e))
+    else:
+        data_or_exit(cfg)  # data and model: exit 2 naming the key
     try:  # attack: simulation only
         check_no_attack(cfg)
     except ConfigError as e:
@@ -383,6 +392,7 @@ def server(
     try:  # paths and messages are printed as they are, never read as rich markup
         run = ServerRun(cfg, out, resume=resume, host=host, port=port, superlink=superlink, tls=tls,
                         auth_keys=auth_keys, public_keys=public_keys, verbose=verbose, control_port=control_port,
+                        base_dir=base_dir,
                         say=lambda m: console.print(m, markup=False),
                         warn=lambda m: err_console.print(m, highlight=False, markup=False))
     except DeployError as e:

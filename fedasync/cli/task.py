@@ -85,7 +85,8 @@ def run_check(cfg, task, client: int) -> dict[str, Any]:
 
 def train_one_step(cfg, task, model, train, client: int) -> dict[str, Any]:
     """One local step through fedasync's own training loop (:func:`fedasync.task.train.local_train`),
-    under DP-SGD with the client's planned noise when ``privacy.local_dp`` is on; the step time in ms."""
+    under DP-SGD with the client's planned noise multiplier (:func:`fedasync.privacy.budgets.plan_client`)
+    when ``privacy.local_dp`` is on; the step time in ms. ``model`` ends with the step's parameters."""
     import copy
     import warnings
 
@@ -96,14 +97,12 @@ def train_one_step(cfg, task, model, train, client: int) -> dict[str, Any]:
     hook, kind, sigma = None, "SGD", None
     if dp.enabled:
         from fedasync.privacy.budgets import plan_client, resolve_budgets
-        from fedasync.privacy.dp import OpacusHook, check_model, make_compatible
+        from fedasync.privacy.dp import OpacusHook, check_model
 
         budget = resolve_budgets(cfg.privacy, cfg.data.num_clients)[client]
         plan = plan_client(client, len(train), steps_for(cfg.train, len(train)), cfg.train.batch_size, budget, dp)
         sigma = plan.noise_multiplier
-        if dp.fix_model:
-            model = make_compatible(model)
-        check_model(model)  # a layer Opacus cannot train: one line naming it and the fix
+        check_model(model)  # (task.model() applied privacy.local_dp.fix_model) one line naming the layer
         hook = OpacusHook(noise_multiplier=sigma, max_grad_norm=dp.max_grad_norm, accountant=dp.accountant,
                           grad_sample_mode=dp.grad_sample_mode, seed=cfg.seed)
         kind = f"DP-SGD (noise multiplier {sigma:.3g}, q {plan.sample_rate:.3g}, clip {dp.max_grad_norm:g})"

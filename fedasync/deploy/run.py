@@ -105,14 +105,17 @@ class ServerRun:
 
     def __init__(self, cfg: Config, out: Optional[Path], *, resume: Optional[int], host: str, port: int,
                  superlink: Optional[str], tls: TLS, auth_keys: dict[int, Path], public_keys: dict[int, bytes],
-                 verbose: bool = False, say: Say = print, warn: Say = print, control_port: int = 0):
+                 verbose: bool = False, say: Say = print, warn: Say = print, control_port: int = 0,
+                 base_dir: Optional[Path] = None):
         """Creates the run directory (``out``, default ``runs/<name>-<time>/``, 0700). ``control_port``:
-        our SuperLink's control listener on 127.0.0.1 (0: a free port)."""
+        our SuperLink's control listener on 127.0.0.1 (0: a free port). ``base_dir``: the YAML's folder,
+        where the ServerApp imports a user ``task:`` from (in the job)."""
         from fedasync.outputs import make_run_dir
 
         self.cfg, self.resume, self.host, self.port, self.superlink = cfg, resume, host, port, superlink
         self.tls, self.auth_keys, self.public_keys = tls, auth_keys, public_keys
         self.say, self.warn = say, warn
+        self.base_dir = None if base_dir is None else str(Path(base_dir).resolve())
         try:
             self.out = make_run_dir(out, cfg.name).resolve()
         except ValueError as e:
@@ -185,6 +188,8 @@ class ServerRun:
         job = {"config_yaml": self.cfg.to_yaml(), "out": str(self.out), "resume": self.resume,
                "public_keys": {str(c): k.hex() for c, k in self.public_keys.items()},
                "registered": {str(c): n for c, n in registered.items()}}
+        if self.base_dir is not None:
+            job["base_dir"] = self.base_dir
         raw = json.dumps(job).encode()
         job_file = write_private(self.out / JOB_FILE, raw)
         app_dir = self.home / "fedasync-deploy"  # what Flower packs into the app every SuperNode fetches
