@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -110,6 +111,10 @@ def prepare(configs: list[tuple[str, Config]], *, task: Any = None, backend: str
 
     cfg = configs[0][1]
     user_task = task is not None or bool(getattr(cfg, "task", None))
+    if task is not None and backend == "flower" and not (isinstance(task, types.ModuleType) and
+                                                        getattr(task, "__file__", None)):
+        raise RunError("task=: an object that is not an importable module runs with backend='local' only "
+                       "(Flower's engine runs the clients in other processes, which import the task by name)")
     if not user_task and (cfg.privacy.local_dp.enabled or cfg.privacy.central_dp.enabled):
         from fedasync.privacy.tracker import check_runnable
 

@@ -115,16 +115,22 @@ class RunParts:
 
 
 def _builtin_sources(cfg: Config):
-    """The built-in task's arrays: (task, fed, sizes, metrics fn, validation gradient fn, init)."""
+    """The built-in task's arrays: (task, fed, sizes, eval model, metrics fn, validation gradient fn,
+    init). With ``privacy.local_dp.fix_model`` every model is the task's fixed one."""
     from fedasync.task.data import load_federated, load_test
     from fedasync.task.models import build_model, init_params
     from fedasync.task.train import evaluate, gradient
 
+    from fedasync.task import interface
+
     fed = load_federated(cfg.data, cfg.seed)
     x_test, y_test = load_test(cfg.data, cfg.seed)
-    from fedasync.task.interface import builtin_task
+    task = interface.builtin_task(cfg.data, cfg.model, cfg.seed, tuple(fed.input_shape), int(fed.num_classes))
+    dp = cfg.privacy.local_dp
+    task.fix_model = bool(dp.enabled and getattr(dp, "fix_model", False))  # task.model() then applies the fix
 
-    task = builtin_task(cfg.data, cfg.model, cfg.seed, tuple(fed.input_shape), int(fed.num_classes))
+    def new_model():
+        return task.model() if task.fix_model else build_model(cfg.model, fed.input_shape, fed.num_classes)
 
     def metrics(model) -> dict:
         loss, acc = evaluate(model, x_test, y_test)
@@ -134,7 +140,7 @@ def _builtin_sources(cfg: Config):
         from fedasync.server.robust import validation_split
 
         x, y = validation_split(fed.partitions, size, cfg.seed)  # training data only, never the test set
-        model = build_model(cfg.model, fed.input_shape, fed.num_classes)
+        model = new_model()
 
         def grad(params: Params) -> Params:
             from fedasync.task.models import set_params
@@ -143,8 +149,11 @@ def _builtin_sources(cfg: Config):
             return gradient(model, x, y)
         return grad
 
-    init = lambda: init_params(cfg.model, fed.input_shape, fed.num_classes, cfg.seed)  # noqa: E731
-    model = build_model(cfg.model, fed.input_shape, fed.num_classes)
+    if task.fix_model:
+        init = lambda: interface.init_params(task, cfg.seed)  # noqa: E731
+    else:
+        init = lambda: init_params(cfg.model, fed.input_shape, fed.num_classes, cfg.seed)  # noqa: E731
+    model = new_model()
     return task, fed, [len(p[1]) for p in fed.partitions], model, metrics, validation, init
 
 
