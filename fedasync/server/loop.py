@@ -1,7 +1,9 @@
 """The asynchronous server loop: dispatch, take replies, validate, aggregate, record, evaluate.
 
 It talks to clients through a ``Transport`` (Flower's Grid in ``server/app.py``; ``LocalTransport``
-runs clients in-process), to the database through ``Store``; it imports no Flower. Around it:
+runs clients in-process), to the database through ``Store``; it imports no Flower. Its parts (the
+task's evaluator and initial model, client sizes, profiles, strategy, policies, privacy tracker)
+come from :func:`fedasync.assembly.assemble`: it neither loads data nor builds models. Around it:
 ``transport.py``, ``resume.py`` (crash safety), ``records.py``, ``control.py``, ``summary.py``.
 
 Semantics (see docs in README "How the asynchronous loop works"):
@@ -27,7 +29,9 @@ Semantics (see docs in README "How the asynchronous loop works"):
   to the first new tasks' clients. SIGINT/SIGTERM stop after the reply being handled (a second
   at once); in deployment, so does a store status of ``stopping`` (``fedasync server``'s Ctrl-C).
 * Each taken reply is validated, handed to the strategy and recorded in one transaction with
-  the model version it produced. Evaluation: every ``eval_every`` versions and at the end.
+  the model version it produced. Evaluation: every ``eval_every`` versions and at the end; its
+  metrics are the task's (every one in the history and the store); ``server.target`` (any metric,
+  ``max`` or ``min``; ``target_accuracy`` its alias) sets the time to target.
 * **Liveness** (``progress.py``): a new version that is not finite is never committed (the updates
   that made it are rejected ``non_finite_model``); ``server.max_rejected_in_a_row`` rejected
   replies in a row stop the run (``no_progress``).
