@@ -488,9 +488,12 @@ def _run_deployment(grid: Grid, job: dict) -> dict:
                                     public_keys=keys if cfg.deploy.signing else None, on_node=on_node,
                                     hello_timeout=max(60.0, cfg.deploy.node_discovery_timeout))
 
-        def progress(ev: dict) -> None:
-            log.info("v%d  updates=%d accepted=%d live=%d acc=%s", ev["version"], ev["updates"], ev["accepted"],
-                     ev["live"], "-" if ev.get("accuracy") is None else f"{ev['accuracy']:.4f}")
+        def progress(ev: dict) -> None:  # the last evaluation's metrics (the task's; accuracy as acc)
+            m = ev.get("metrics") or {}
+            shown = f"acc={m['accuracy']:.4f}" if "accuracy" in m else \
+                " ".join(f"{k}={v:.4g}" for k, v in m.items()) or "acc=-"
+            log.info("v%d  updates=%d accepted=%d live=%d %s", ev["version"], ev["updates"], ev["accepted"],
+                     ev["live"], shown)
 
         parts = assemble(cfg, mode="deployment", resume=job.get("resume") is not None, base_dir=job.get("base_dir"))
         server = AsyncServer(cfg, transport, store, clock="wall", mode="deployment", progress=progress,
