@@ -53,6 +53,23 @@ def test_each_example_task_provides_the_interface_and_its_data_is_deterministic(
         assert metric in metrics and "loss" in metrics
 
 
+@pytest.mark.parametrize("yaml_file, batch, metrics", [
+    ("diabetes.yaml", "first batch ([8, 10] float32, [8] float32)", "loss 1.0"),
+    ("sequence.yaml", "first batch {signal: [16, 1, 64] float32, label: [16] int64}", "accuracy 0.3"),
+])
+def test_task_check_on_each_example_takes_a_dp_step_with_the_tasks_own_loss(yaml_file, batch, metrics):
+    """fedasync task check under local DP for the examples that bring their own loss: the step is
+    DP-SGD as a run's client takes it (ghost clipping asked for, hooks used: Opacus' ghost mode
+    computes only the default loss); the first batch's structure, the parameter count, the metrics."""
+    from fedasync.cli import app
+
+    r = CliRunner().invoke(app, ["task", "check", str(EXAMPLES / yaml_file), "--set", "privacy.local_dp.enabled=true",
+                                 "--set", "privacy.local_dp.epsilon=8"], env={"COLUMNS": "300"})
+    assert r.exit_code == 0, r.output
+    assert batch in r.output and metrics in r.output and "parameters" in r.output
+    assert "one DP-SGD (noise multiplier" in r.output and r.output.strip().endswith("ok")
+
+
 def _small(**extra) -> dict:
     sets = {"server.max_versions": 12, "server.eval_every": 4, "store.save_parameters": False}
     sets.update(extra)

@@ -104,7 +104,7 @@ def train_one_step(cfg, task, model, train, client: int) -> dict[str, Any]:
         sigma = plan.noise_multiplier
         check_model(model)  # (task.model() applied privacy.local_dp.fix_model) one line naming the layer
         hook = OpacusHook(noise_multiplier=sigma, max_grad_norm=dp.max_grad_norm, accountant=dp.accountant,
-                          grad_sample_mode=dp.grad_sample_mode, seed=cfg.seed)
+                          grad_sample_mode=dp.grad_sample_mode, seed=cfg.seed, default_loss=not task.has_loss)
         kind = f"DP-SGD (noise multiplier {sigma:.3g}, q {plan.sample_rate:.3g}, clip {dp.max_grad_norm:g})"
     import torch
 

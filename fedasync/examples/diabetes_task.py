@@ -5,7 +5,8 @@ Written as a user writes a task: plain torch, numpy and scikit-learn, nothing fr
 ``examples/diabetes.yaml`` names it (``task: diabetes_task``) and sets the server's target to
 ``{metric: rmse, mode: min}``.  The data ships with scikit-learn, so nothing is downloaded.
 
-The functions fedasync calls (each also receives the YAML's ``task_args`` as keyword arguments):
+The functions fedasync calls (``model``, ``load_data`` and ``load_centralized`` also receive the
+YAML's ``task_args``, ``hidden`` and ``seed``, as keyword arguments):
 
 * ``model()`` - the network to train;
 * ``load_data(partition_id, num_partitions)`` - this client's (train, test) Datasets;

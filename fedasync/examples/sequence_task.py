@@ -7,8 +7,8 @@ every process (a simulated client, a device, the server) makes the same samples 
 Its Dataset yields a dict, ``{"signal": (1, length) float tensor, "label": int}``, so it brings its
 own ``loss`` and ``evaluate`` (fedasync's defaults expect ``(x, y)`` batches).  Each client's waves
 have frequencies from its own band (client 0 the slowest): the clients' data differ, as devices'
-do.  The functions receive the YAML's ``task_args`` (``length``, ``samples``, ``seed``) as
-keyword arguments.
+do.  ``model``, ``load_data`` and ``load_centralized`` receive the YAML's ``task_args``
+(``length``, ``samples``, ``seed``) as keyword arguments.
 """
 
 from __future__ import annotations
