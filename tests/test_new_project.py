@@ -140,6 +140,7 @@ def test_task_check_refuses_a_broken_task_with_one_line(tmp_path):
         (good.replace("nn.Linear(64, hidden), nn.ReLU()", "nn.Linear(64, hidden), nn.BatchNorm1d(hidden), nn.ReLU()"),
          [], "BatchNorm"),
         (good, ["--set", "server.target.metric=f1"], "server.target.metric: 'f1' is not a metric"),
+        (good, ["--client", "10"], "--client: 10 is not in 0-9 (data.num_clients)"),
     ]
     for source, extra, said in cases:
         for mod in [m for m in sys.modules if m == "proj" or m.startswith("proj.")]:
