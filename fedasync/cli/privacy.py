@@ -33,11 +33,26 @@ def _fmt(x: float | None, digits: int = 3) -> str:
 # -- plan ------------------------------------------------------------------------------------------
 
 
-def _plan_local(cfg) -> list[dict]:
-    from fedasync.privacy.budgets import format_clients, group_plans, milestones, plan_clients
+def run_sizes(cfg, config: str | None) -> tuple[list[int], object]:
+    """Each client's training examples and the model factory the run of ``cfg`` uses (raises
+    ``TaskError``/``ValueError``). A user task (``task:``) is imported as ``fedasync simulate``
+    imports it, from the YAML's folder, and its sizes come from the function the run's assembly
+    takes them from (:func:`fedasync.assembly._task_sources`: ``len(load_data(c, n)[0])``);
+    without ``task:``, the built-in data's (``load_federated``) and ``None`` (the built-in model)."""
+    if getattr(cfg, "task", None):
+        from fedasync.assembly import _task_sources
+        from fedasync.task.interface import task_from_config
+
+        task = task_from_config(cfg, base_dir=Path(config).resolve().parent if config else None)
+        return list(_task_sources(cfg, task)[0]), task.model
     from fedasync.task.data import load_federated
 
-    sizes = load_federated(cfg.data, cfg.seed).sizes()
+    return list(load_federated(cfg.data, cfg.seed).sizes()), None
+
+
+def _plan_local(cfg, sizes: list[int]) -> list[dict]:
+    from fedasync.privacy.budgets import format_clients, group_plans, milestones, plan_clients
+
     out = []
     for g in group_plans(plan_clients(cfg, sizes)):
         p = g.plan
@@ -77,17 +92,28 @@ def plan(
     set_: list[str] = typer.Option([], "--set", help="Override a key: --set privacy.local_dp.epsilon=3 (repeatable)."),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
 ) -> None:
-    """Per group of identical clients: q, steps per task, planned tasks, σ and the ε expected."""
+    """Per group of identical clients: q, steps per task, planned tasks, σ and the ε expected.
+    A user task's (``task:``, imported from the YAML's folder) from its own clients' data."""
     from fedasync.privacy.budgets import PrivacyError
     from fedasync.privacy.tracker import check_runnable
+    from fedasync.task.interface import TaskError
 
     cfg = load_or_exit(config, set_)
     p = cfg.privacy
     if not p.local_dp.enabled and not p.central_dp.enabled:
         fail(f"{config or 'quickstart'}: privacy.local_dp and privacy.central_dp are both disabled: nothing to plan")
+    sizes, model = None, None
+    if p.local_dp.enabled or cfg.task:  # a task that does not load is one line, whatever is planned
+        try:
+            sizes, model = run_sizes(cfg, config)
+        except TaskError as e:
+            fail(str(e))
+        except (ValueError, OSError, RuntimeError) as e:  # the built-in data, the task's own code
+            line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            fail(f"task {cfg.task}: {line}" if cfg.task else line)
     try:
-        check_runnable(cfg)
-        local = _plan_local(cfg) if p.local_dp.enabled else None
+        check_runnable(cfg, sizes, model)
+        local = _plan_local(cfg, sizes) if p.local_dp.enabled else None
         central = _plan_central(cfg) if p.central_dp.enabled else None
     except (PrivacyError, ValueError) as e:
         fail(str(e))
