@@ -114,7 +114,7 @@ def test_config_and_the_deployed_server_check():
 
 
 def _task(cfg, client_id=3, **extra):
-    from fedasync.server.loop import client_setup_json
+    from fedasync.server.transport import client_setup_json
 
     return {"setup": client_setup_json(cfg), "client_id": client_id, "seed": 11, "task_id": 4, **extra}
 
