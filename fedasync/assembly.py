@@ -157,7 +157,7 @@ def _builtin_sources(cfg: Config):
     return task, fed, [len(p[1]) for p in fed.partitions], model, metrics, validation, init
 
 
-def _task_sources(cfg: Config, task: Any):
+def task_sources(cfg: Config, task: Any):
     """A user task's parts: (sizes, eval model, metrics fn, validation gradient fn, init)."""
     import torch
     from torch.utils.data import ConcatDataset, DataLoader, Subset
@@ -226,7 +226,7 @@ def assemble(cfg: Config, *, task: Any = None, base_dir: Any = None, mode: str =
         from fedasync.task.interface import task_from_config
 
         the_task = task_from_config(cfg, task, base_dir)
-        sizes, model, metrics, validation, init = _task_sources(cfg, the_task)
+        sizes, model, metrics, validation, init = task_sources(cfg, the_task)
     else:
         the_task, fed, sizes, model, metrics, validation, init = _builtin_sources(cfg)
     if strategy is None:

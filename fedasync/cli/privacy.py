@@ -37,14 +37,14 @@ def run_sizes(cfg, config: str | None) -> tuple[list[int], object]:
     """Each client's training examples and the model factory the run of ``cfg`` uses (raises
     ``TaskError``/``ValueError``). A user task (``task:``) is imported as ``fedasync simulate``
     imports it, from the YAML's folder, and its sizes come from the function the run's assembly
-    takes them from (:func:`fedasync.assembly._task_sources`: ``len(load_data(c, n)[0])``);
+    takes them from (:func:`fedasync.assembly.task_sources`: ``len(load_data(c, n)[0])``);
     without ``task:``, the built-in data's (``load_federated``) and ``None`` (the built-in model)."""
     if getattr(cfg, "task", None):
-        from fedasync.assembly import _task_sources
+        from fedasync.assembly import task_sources
         from fedasync.task.interface import task_from_config
 
         task = task_from_config(cfg, base_dir=Path(config).resolve().parent if config else None)
-        return list(_task_sources(cfg, task)[0]), task.model
+        return list(task_sources(cfg, task)[0]), task.model
     from fedasync.task.data import load_federated
 
     return list(load_federated(cfg.data, cfg.seed).sizes()), None

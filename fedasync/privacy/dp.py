@@ -392,11 +392,34 @@ def _raised_by(server: list, local: list, path: Path) -> list:
     return local
 
 
+def _hook(pconf: dict, accountant: str, sigma: float, history: list, seed: int, task, **extra) -> OpacusHook:
+    """The task's Opacus hook: its clip, ``grad_sample_mode`` and ``secure_mode``; ghost clipping
+    only with the default loss (:class:`OpacusHook` ``default_loss``)."""
+    return OpacusHook(noise_multiplier=sigma, max_grad_norm=float(pconf["max_grad_norm"]), accountant=accountant,
+                      grad_sample_mode=pconf.get("grad_sample_mode", "ghost"), history=history, seed=seed,
+                      secure_mode=bool(pconf.get("secure_mode", False)),
+                      default_loss=task is None or not task.has_loss, **extra)
+
+
+def _train_private(hook: OpacusHook, model: nn.Module, x, y, train_cfg, seed: int, device, task):
+    """:func:`fedasync.task.train.local_train` through ``hook``, whose Opacus hooks are removed after."""
+    from fedasync.task.train import local_train
+
+    try:
+        with warnings.catch_warnings():
+            # Opacus' hooks make torch warn that a full backward hook fires on module outputs: expected
+            warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
+            warnings.filterwarnings("ignore", message=".*Using a non-full backward hook.*")
+            return local_train(model, x, y, train_cfg, seed=seed, device=device, make_private=hook, task=task)
+    finally:
+        hook.close()
+
+
 def private_task(model: nn.Module, x, y: np.ndarray | None, train_cfg, seed: int, device,
                  pconf: dict, state_dir: str | None = None, *, task=None) -> DPTaskResult:
     """Enforce the budget, then train with DP-SGD (see the module docstring). ``x, y``: arrays, or a
     Dataset and ``None``; ``task``: its loss and ``train`` override (:func:`fedasync.task.train.local_train`)."""
-    from fedasync.task.train import local_train, steps_for
+    from fedasync.task.train import steps_for
 
     accountant = pconf["accountant"]
     delta = float(pconf["delta"])
@@ -419,19 +442,9 @@ def private_task(model: nn.Module, x, y: np.ndarray | None, train_cfg, seed: int
         return DPTaskResult(refused=REFUSED, metrics={
             "epsilon": epsilon_of(history, delta, accountant), "epsilon_next": eps_next,
             "accountant_history": history_json(history), **common})
-    hook = OpacusHook(noise_multiplier=sigma, max_grad_norm=float(pconf["max_grad_norm"]), accountant=accountant,
-                      grad_sample_mode=pconf.get("grad_sample_mode", "ghost"), history=history, seed=seed,
-                      secure_mode=bool(pconf.get("secure_mode", False)),
-                      reproducible_noise=bool(pconf.get("reproducible_noise", False)),
-                      default_loss=task is None or not task.has_loss)
-    try:
-        with warnings.catch_warnings():
-            # Opacus' hooks make torch warn that a full backward hook fires on module outputs: expected
-            warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
-            warnings.filterwarnings("ignore", message=".*Using a non-full backward hook.*")
-            result = local_train(model, x, y, train_cfg, seed=seed, device=device, make_private=hook, task=task)
-    finally:
-        hook.close()
+    hook = _hook(pconf, accountant, sigma, history, seed, task,
+                 reproducible_noise=bool(pconf.get("reproducible_noise", False)))
+    result = _train_private(hook, model, x, y, train_cfg, seed, device, task)
     after = hook.history
     if history_steps(after) - history_steps(history) != steps:  # e.g. a task's train override
         raise PrivacyError(f"privacy: the accountant charged {history_steps(after) - history_steps(history)} "
@@ -505,20 +518,9 @@ def device_task(model: nn.Module, x, y: np.ndarray | None, train_cfg, seed: int,
                 "epsilon": epsilon_of(history, delta, accountant), "epsilon_next": eps_next,
                 "accountant_history": history_json(history), **common})
         save_state_file(path, accountant, planned, delta, eps_next)  # charged before anything is released
-        hook = OpacusHook(noise_multiplier=sigma, max_grad_norm=float(pconf["max_grad_norm"]), accountant=accountant,
-                          grad_sample_mode=pconf.get("grad_sample_mode", "ghost"), history=history, seed=seed,
-                          secure_mode=bool(pconf.get("secure_mode", False)), sample_rate=q,
-                          expected_batch_size=expected, default_loss=task is None or not task.has_loss)
+        hook = _hook(pconf, accountant, sigma, history, seed, task, sample_rate=q, expected_batch_size=expected)
         cfg = train_cfg.model_copy(update={"local_steps": steps, "local_epochs": None})  # the plan's steps
-        from fedasync.task.train import local_train
-
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
-                warnings.filterwarnings("ignore", message=".*Using a non-full backward hook.*")
-                result = local_train(model, x, y, cfg, seed=seed, device=device, make_private=hook, task=task)
-        finally:
-            hook.close()
+        result = _train_private(hook, model, x, y, cfg, seed, device, task)
         if hook.history != planned:  # pragma: no cover - the accountant steps exactly as planned
             raise PrivacyError(f"privacy: the accountant recorded {hook.history}, the plan was {planned}")
     return DPTaskResult(refused=None, train=result, metrics={
