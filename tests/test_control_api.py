@@ -23,7 +23,8 @@ import yaml
 from typer.testing import CliRunner
 
 from fedasync.cli import app as cli_app
-from tests.test_deploy import FEDASYNC, Processes, free_ports, wait_for_text
+from tests.test_deploy import (Processes, client_cmd, free_ports, keys_and_certs, start_server,
+                               wait_for_text, wait_server)
 
 FLWR = str(Path(sys.executable).with_name("flwr"))
 CONTROL = ("127.0.0.1", 41000)
@@ -104,11 +105,9 @@ def _refused(r: subprocess.CompletedProcess) -> bool:
 
 @pytest.mark.deploy
 def test_outsider_with_the_ca_cannot_list_stop_or_register(tmp_path):
-    runner = CliRunner()
-    keys, certs, own = tmp_path / "keys", tmp_path / "certs", tmp_path / "outsider-keys"
-    assert runner.invoke(cli_app, ["keys", "gen", "--out", str(keys), "--clients", "2"]).exit_code == 0
-    assert runner.invoke(cli_app, ["keys", "gen", "--out", str(own), "--clients", "1"]).exit_code == 0
-    assert runner.invoke(cli_app, ["certs", "gen", "--out", str(certs), "--host", "127.0.0.1"]).exit_code == 0
+    keys, certs = keys_and_certs(tmp_path, 2)
+    own = tmp_path / "outsider-keys"
+    assert CliRunner().invoke(cli_app, ["keys", "gen", "--out", str(own), "--clients", "1"]).exit_code == 0
     cfg = tmp_path / "deploy.yaml"
     cfg.write_text(yaml.safe_dump({
         "name": "control", "seed": 0,
@@ -128,15 +127,9 @@ def test_outsider_with_the_ca_cannot_list_stop_or_register(tmp_path):
         f'address = "127.0.0.1:{link_port}"\nroot-certificates = "{(certs / "ca.crt").resolve()}"\n')
     procs = Processes(home)
     try:
-        server = procs.start([FEDASYNC, "server", str(cfg), "--out", str(out), "--certs", str(certs),
-                              "--supernode-auth", str(keys), "--port", str(link_port)],
-                             tmp_path / "server.out", home / "server")
-        wait_for_text(tmp_path / "server.out", "registered 2 SuperNode key(s)", 180, server)
+        server = start_server(procs, cfg, out, keys, certs, link_port, 2, tmp_path / "server.out", home / "server")
         for i in range(2):
-            procs.start([FEDASYNC, "client", "--superlink", f"127.0.0.1:{link_port}", "--partition-id", str(i),
-                         "--num-partitions", "2", "--root-certificates", str(certs / "ca.crt"),
-                         "--auth-key", str(keys / f"supernode-{i}.key"), "--signing-key", str(keys / f"client-{i}.key"),
-                         "--port", str(node_ports[i]), "--device", "cpu"],
+            procs.start(client_cmd(link_port, i, 2, keys, certs, "--port", str(node_ports[i]), "--device", "cpu"),
                         tmp_path / f"client-{i}.log", home / f"node-{i}")
         wait_for_text(tmp_path / "server.out", "Flower run ", 180, server)
         flower_run = re.search(r"Flower run (\d+)", (tmp_path / "server.out").read_text()).group(1)
@@ -156,12 +149,7 @@ def test_outsider_with_the_ca_cannot_list_stop_or_register(tmp_path):
         nodes = _flwr(operator, "supernode", "list", "fedasync", "--format", "json")
         assert nodes.returncode == 0, nodes.stdout + nodes.stderr
         assert len(json.loads(nodes.stdout[nodes.stdout.index("{"):])["nodes"]) == 2, nodes.stdout  # ours only
-        try:
-            rc = server.wait(timeout=900)
-        except subprocess.TimeoutExpired:
-            raise AssertionError("server did not finish:\n" + (tmp_path / "server.out").read_text()[-3000:])
-        text = (tmp_path / "server.out").read_text(errors="replace")
-        assert rc == 0, text[-3000:] + "\n" + (out / "server.log").read_text(errors="replace")[-3000:]
+        wait_server(server, tmp_path / "server.out", out, 900)
     finally:
         procs.stop_all()  # asserts that nothing is left running
 

@@ -97,6 +97,49 @@ def wait_for_text(path: Path, text: str, timeout: float, proc: subprocess.Popen)
     raise AssertionError(f"{text!r} not seen in {path} after {timeout:.0f} s:\n{path.read_text(errors='replace')[-3000:]}")
 
 
+def keys_and_certs(tmp_path: Path, clients: int) -> tuple[Path, Path]:
+    """``fedasync keys gen`` (signing and SuperNode keys of clients 0..clients-1) into ``keys/`` and
+    ``fedasync certs gen`` for 127.0.0.1 into ``certs/``."""
+    runner = CliRunner()
+    keys, certs = tmp_path / "keys", tmp_path / "certs"
+    assert runner.invoke(cli_app, ["keys", "gen", "--out", str(keys), "--clients", str(clients)]).exit_code == 0
+    assert runner.invoke(cli_app, ["certs", "gen", "--out", str(certs), "--host", "127.0.0.1"]).exit_code == 0
+    return keys, certs
+
+
+def start_server(procs: Processes, cfg: Path, out: Path, keys: Path, certs: Path, port: int, clients: int,
+                 log: Path, flwr_home: Path) -> subprocess.Popen:
+    """``fedasync server`` (TLS, SuperNode authentication) on 127.0.0.1:``port``, returned once it has
+    registered the SuperNode keys: a SuperNode whose key is not registered yet is refused."""
+    server = procs.start([FEDASYNC, "server", str(cfg), "--out", str(out), "--certs", str(certs),
+                          "--supernode-auth", str(keys), "--port", str(port)], log, flwr_home)
+    wait_for_text(log, f"registered {clients} SuperNode key(s)", 180, server)
+    return server
+
+
+def client_cmd(port: int, i: int, n: int, keys: Path, certs: Path, *extra: str,
+               signing_key: Path | None = None) -> list[str]:
+    """The README's device command for client ``i`` of ``n`` (TLS, node authentication, signing)."""
+    return [FEDASYNC, "client", "--superlink", f"127.0.0.1:{port}", "--partition-id", str(i),
+            "--num-partitions", str(n), "--root-certificates", str(certs / "ca.crt"),
+            "--auth-key", str(keys / f"supernode-{i}.key"),
+            "--signing-key", str(signing_key or keys / f"client-{i}.key"), *extra]
+
+
+def wait_server(server: subprocess.Popen, log: Path, out: Path, timeout: float) -> None:
+    """The server exits 0 within ``timeout`` seconds; else fail with the tail of its output and log."""
+    def tails() -> str:
+        run_log = out / "server.log"
+        return (log.read_text(errors="replace")[-3000:] + "\n"
+                + (run_log.read_text(errors="replace")[-3000:] if run_log.exists() else ""))
+
+    try:
+        rc = server.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("server did not finish:\n" + tails()) from None
+    assert rc == 0, tails()
+
+
 def test_keys_and_certs_commands(tmp_path):
     runner = CliRunner()
     r = runner.invoke(cli_app, ["keys", "gen", "--out", str(tmp_path / "k"), "--clients", "2"])
@@ -265,12 +308,10 @@ def test_deploy_transport_maps_nodes_to_clients_by_hello(in_a_flower_run):
 @pytest.mark.deploy
 def test_deploy_end_to_end_tls_auth_signing(tmp_path):
     """3 honest SuperNodes and one signing with an unregistered key; >= 6 updates applied."""
-    runner = CliRunner()
-    keys, bad, certs = tmp_path / "keys", tmp_path / "bad", tmp_path / "certs"
-    assert runner.invoke(cli_app, ["keys", "gen", "--out", str(keys), "--clients", "4"]).exit_code == 0
-    assert runner.invoke(cli_app, ["keys", "gen", "--out", str(bad), "--clients", "1", "--first", "3",
-                                   "--no-supernode-auth"]).exit_code == 0
-    assert runner.invoke(cli_app, ["certs", "gen", "--out", str(certs), "--host", "127.0.0.1"]).exit_code == 0
+    keys, certs = keys_and_certs(tmp_path, 4)
+    bad = tmp_path / "bad"
+    assert CliRunner().invoke(cli_app, ["keys", "gen", "--out", str(bad), "--clients", "1", "--first", "3",
+                                        "--no-supernode-auth"]).exit_code == 0
     cfg = tmp_path / "deploy.yaml"
     cfg.write_text(yaml.safe_dump({
         "name": "e2e", "seed": 0,
@@ -286,25 +327,12 @@ def test_deploy_end_to_end_tls_auth_signing(tmp_path):
     link_port, *node_ports = free_ports(5)
     procs = Processes(home)
     try:
-        server = procs.start([FEDASYNC, "server", str(cfg), "--out", str(out), "--certs", str(certs),
-                              "--supernode-auth", str(keys), "--port", str(link_port)],
-                             tmp_path / "server.out", home / "server")
-        # a SuperNode whose auth key is not yet registered is refused: start them after registration
-        wait_for_text(tmp_path / "server.out", "registered 4 SuperNode key(s)", 180, server)
+        server = start_server(procs, cfg, out, keys, certs, link_port, 4, tmp_path / "server.out", home / "server")
         for i in range(4):
-            signing = (bad if i == 3 else keys) / f"client-{i}.key"
-            procs.start([FEDASYNC, "client", "--superlink", f"127.0.0.1:{link_port}", "--partition-id", str(i),
-                         "--num-partitions", "4", "--root-certificates", str(certs / "ca.crt"),
-                         "--auth-key", str(keys / f"supernode-{i}.key"), "--signing-key", str(signing),
-                         "--port", str(node_ports[i]), "--device", "cpu"],
+            procs.start(client_cmd(link_port, i, 4, keys, certs, "--port", str(node_ports[i]), "--device", "cpu",
+                                   signing_key=bad / "client-3.key" if i == 3 else None),
                         tmp_path / f"client-{i}.log", home / f"node-{i}")
-        try:
-            rc = server.wait(timeout=900)
-        except subprocess.TimeoutExpired:
-            raise AssertionError("server did not finish:\n" + (tmp_path / "server.out").read_text()[-3000:]
-                                 + "\n" + (out / "server.log").read_text()[-3000:])
-        text = (tmp_path / "server.out").read_text(errors="replace")
-        assert rc == 0, text[-3000:] + "\n" + (out / "server.log").read_text()[-3000:]
+        wait_server(server, tmp_path / "server.out", out, 900)
     finally:
         procs.stop_all()
 
@@ -467,11 +495,7 @@ def test_deploy_device_failures_cost_one_task(tmp_path):
             except ProcessLookupError:
                 pass
         nodes[2].wait(timeout=10)
-        try:
-            rc = server.wait(timeout=600)
-        except subprocess.TimeoutExpired:
-            raise AssertionError("server did not finish:\n" + (out / "server.log").read_text()[-3000:])
-        assert rc == 0, (tmp_path / "server.out").read_text()[-3000:] + (out / "server.log").read_text()[-3000:]
+        wait_server(server, tmp_path / "server.out", out, 600)
     finally:
         procs.stop_all()
 
@@ -574,10 +598,7 @@ def test_deploy_devices_apply_their_own_dp_policy(tmp_path):
     the store) and the run completes on device 0 alone."""
     from fedasync.privacy.budgets import history_steps
 
-    runner = CliRunner()
-    keys, certs = tmp_path / "keys", tmp_path / "certs"
-    assert runner.invoke(cli_app, ["keys", "gen", "--out", str(keys), "--clients", "2"]).exit_code == 0
-    assert runner.invoke(cli_app, ["certs", "gen", "--out", str(certs), "--host", "127.0.0.1"]).exit_code == 0
+    keys, certs = keys_and_certs(tmp_path, 2)
     cfg = tmp_path / "dp.yaml"
     cfg.write_text(yaml.safe_dump({
         "name": "dp-devices", "seed": 0,
@@ -604,23 +625,13 @@ def test_deploy_devices_apply_their_own_dp_policy(tmp_path):
     procs = Processes(home)
     logs = [tmp_path / f"client-{i}.log" for i in range(2)]
     try:
-        server = procs.start([FEDASYNC, "server", str(cfg), "--out", str(out), "--certs", str(certs),
-                              "--supernode-auth", str(keys), "--port", str(link_port)],
-                             tmp_path / "server.out", home / "server")
-        wait_for_text(tmp_path / "server.out", "registered 2 SuperNode key(s)", 180, server)
+        server = start_server(procs, cfg, out, keys, certs, link_port, 2, tmp_path / "server.out", home / "server")
         for i in range(2):
-            procs.start([FEDASYNC, "client", "--superlink", f"127.0.0.1:{link_port}", "--partition-id", str(i),
-                         "--num-partitions", "2", "--root-certificates", str(certs / "ca.crt"),
-                         "--auth-key", str(keys / f"supernode-{i}.key"), "--signing-key", str(keys / f"client-{i}.key"),
-                         "--privacy-policy", str(policies[i]), "--privacy-state-dir", str(states[i]),
-                         "--port", str(node_ports[i]), "--device", "cpu"],
+            procs.start(client_cmd(link_port, i, 2, keys, certs, "--privacy-policy", str(policies[i]),
+                                   "--privacy-state-dir", str(states[i]), "--port", str(node_ports[i]),
+                                   "--device", "cpu"),
                         logs[i], home / f"node-{i}")
-        try:
-            rc = server.wait(timeout=900)
-        except subprocess.TimeoutExpired:
-            raise AssertionError("server did not finish:\n" + (tmp_path / "server.out").read_text()[-3000:]
-                                 + "\n" + (out / "server.log").read_text()[-3000:])
-        assert rc == 0, (tmp_path / "server.out").read_text()[-3000:] + "\n" + (out / "server.log").read_text()[-3000:]
+        wait_server(server, tmp_path / "server.out", out, 900)
     finally:
         procs.stop_all()
 

@@ -250,15 +250,10 @@ def test_two_devices_train_a_user_task_and_a_device_with_another_source_refuses(
     sequence_task.py differs by one line refuses every task it gets (task_mismatch), so nothing of
     it is accepted."""
     import shutil
-    import subprocess
 
-    from fedasync.cli import app as cli_app
-    from tests.test_deploy import FEDASYNC, Processes, free_ports, wait_for_text
+    from tests.test_deploy import Processes, client_cmd, free_ports, keys_and_certs, start_server, wait_server
 
-    runner = CliRunner()
-    keys, certs = tmp_path / "keys", tmp_path / "certs"
-    assert runner.invoke(cli_app, ["keys", "gen", "--out", str(keys), "--clients", "3"]).exit_code == 0
-    assert runner.invoke(cli_app, ["certs", "gen", "--out", str(certs), "--host", "127.0.0.1"]).exit_code == 0
+    keys, certs = keys_and_certs(tmp_path, 3)
     server_dir, same, other = tmp_path / "server", tmp_path / "device", tmp_path / "other"
     for d in (server_dir, same, other):
         d.mkdir()
@@ -279,23 +274,13 @@ def test_two_devices_train_a_user_task_and_a_device_with_another_source_refuses(
     (link_port,) = free_ports(1)
     procs = Processes(home)
     try:
-        server = procs.start([FEDASYNC, "server", str(cfg), "--host", "127.0.0.1", "--port", str(link_port),
-                              "--certs", str(certs), "--supernode-auth", str(keys), "--out", str(out)],
-                             tmp_path / "server.out", home / "server")
-        wait_for_text(tmp_path / "server.out", "registered 3 SuperNode key(s)", 180, server)
+        server = start_server(procs, cfg, out, keys, certs, link_port, 3, tmp_path / "server.out", home / "server")
         monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
         for i, env_dir in enumerate((same, same, other)):
             monkeypatch.setenv("PYTHONPATH", str(env_dir))  # the device's own environment holds its task
-            procs.start([FEDASYNC, "client", "--superlink", f"127.0.0.1:{link_port}", "--partition-id", str(i),
-                         "--num-partitions", "3", "--root-certificates", str(certs / "ca.crt"),
-                         "--auth-key", str(keys / f"supernode-{i}.key"), "--signing-key", str(keys / f"client-{i}.key"),
-                         "--task", "sequence_task"],
+            procs.start(client_cmd(link_port, i, 3, keys, certs, "--task", "sequence_task"),
                         tmp_path / f"client-{i}.log", home / "devices")
-        try:
-            rc = server.wait(timeout=600)
-        except subprocess.TimeoutExpired:
-            raise AssertionError("server did not finish:\n" + (out / "server.log").read_text()[-3000:])
-        assert rc == 0, (tmp_path / "server.out").read_text()[-3000:] + (out / "server.log").read_text()[-3000:]
+        wait_server(server, tmp_path / "server.out", out, 600)
     finally:
         procs.stop_all()
 

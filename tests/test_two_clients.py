@@ -19,7 +19,8 @@ import yaml
 from typer.testing import CliRunner
 
 from fedasync.cli import app as cli_app
-from tests.test_deploy import FEDASYNC, Processes, free_ports, wait_for_text
+from tests.test_deploy import (Processes, client_cmd, free_ports, keys_and_certs, start_server,
+                               wait_server)
 
 
 def _client_args(tmp_path, *extra: str) -> list[str]:
@@ -76,10 +77,7 @@ def test_warm_trainer_serves_only_its_own_supernodes_port(tmp_path):
 @pytest.mark.deploy
 def test_two_clients_on_one_host_both_train(tmp_path, monkeypatch):
     """README commands on one host, two devices without --port: both partitions train."""
-    runner = CliRunner()
-    keys, certs = tmp_path / "keys", tmp_path / "certs"
-    assert runner.invoke(cli_app, ["keys", "gen", "--out", str(keys), "--clients", "2"]).exit_code == 0
-    assert runner.invoke(cli_app, ["certs", "gen", "--out", str(certs), "--host", "127.0.0.1"]).exit_code == 0
+    keys, certs = keys_and_certs(tmp_path, 2)
     cfg = tmp_path / "edge.yaml"
     cfg.write_text(yaml.safe_dump({
         "name": "two", "seed": 0,
@@ -97,22 +95,11 @@ def test_two_clients_on_one_host_both_train(tmp_path, monkeypatch):
     procs = Processes(home)
     devices_env = home / "devices"  # one FLWR_HOME for both devices, as two clients started from one shell
     try:
-        server = procs.start([FEDASYNC, "server", str(cfg), "--host", "127.0.0.1", "--port", str(link_port),
-                              "--certs", str(certs), "--supernode-auth", str(keys), "--out", str(out)],
-                             tmp_path / "server.out", home / "server")
-        wait_for_text(tmp_path / "server.out", "registered 2 SuperNode key(s)", 180, server)
+        server = start_server(procs, cfg, out, keys, certs, link_port, 2, tmp_path / "server.out", home / "server")
         monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))  # their DP state dir: not the home's
         for i in range(2):  # exactly the README's device command (no --port)
-            procs.start([FEDASYNC, "client", "--superlink", f"127.0.0.1:{link_port}", "--partition-id", str(i),
-                         "--num-partitions", "2", "--root-certificates", str(certs / "ca.crt"),
-                         "--auth-key", str(keys / f"supernode-{i}.key"),
-                         "--signing-key", str(keys / f"client-{i}.key")],
-                        tmp_path / f"client-{i}.log", devices_env)
-        try:
-            rc = server.wait(timeout=600)
-        except subprocess.TimeoutExpired:
-            raise AssertionError("server did not finish:\n" + (out / "server.log").read_text()[-3000:])
-        assert rc == 0, (tmp_path / "server.out").read_text()[-3000:] + (out / "server.log").read_text()[-3000:]
+            procs.start(client_cmd(link_port, i, 2, keys, certs), tmp_path / f"client-{i}.log", devices_env)
+        wait_server(server, tmp_path / "server.out", out, 600)
     finally:
         procs.stop_all()
 
