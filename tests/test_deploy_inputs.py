@@ -329,6 +329,10 @@ def test_server_needs_both_kinds_of_keys_unless_turned_off(tmp_path, monkeypatch
               "deploy.public_keys", "--no-signing")
     _one_line(runner.invoke(cli_app, ["server", str(cfg), *tls, "--supernode-auth", str(keys),
                                       "--no-supernode-auth", "--no-signing"]), "exclude each other")
+    # the YAML cannot turn signing off behind the operator's back: that takes --no-signing
+    _one_line(runner.invoke(cli_app, ["server", str(cfg), *tls, "--supernode-auth", str(keys),
+                                      "--set", f"deploy.public_keys={keys}", "--set", "deploy.signing=false"]),
+              "deploy.signing", "--no-signing")
     assert not (tmp_path / "o").exists()
 
     seen = []

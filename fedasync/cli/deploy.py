@@ -376,6 +376,9 @@ def server(
             raise DeployError("--supernode-auth: SuperNode authentication is on by default: pass --supernode-auth "
                               "DIR (the supernode-<i>.pub of `fedasync keys gen`; needs TLS), or --no-supernode-auth")
         auth_keys = supernode_auth_keys(supernode_auth) if supernode_auth is not None else {}
+        if resume is None and "signing" in cfg.deploy.model_fields_set and not cfg.deploy.signing and not no_signing:
+            raise DeployError("deploy.signing: false has no effect: fedasync server signs by default; turn signing "
+                              "off with --no-signing")
         cfg.deploy.signing = not no_signing  # what the ServerApp reads; deploy.signing in the YAML does not count
         public_keys, missing = client_public_keys(cfg)
     except DeployError as e:
