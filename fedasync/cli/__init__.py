@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+import fedasync
 from fedasync.cli import runs as _runs
 from fedasync.cli import simulate as _simulate
 
@@ -14,6 +15,22 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"fedasync {fedasync.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", help="Print fedasync's version and exit.",
+                                 callback=_version, is_eager=True),
+) -> None:
+    """Asynchronous federated learning on Flower."""
+
+
 app.command("simulate")(_simulate.simulate)
 app.command("runs")(_runs.runs)
 
