@@ -101,10 +101,13 @@ def compare_configs(spec: str | list, base: Config) -> list[tuple[str, Config]]:
 
 
 def prepare(configs: list[tuple[str, Config]], *, task: Any = None, backend: str = "local",
-            out: str | Path | None = None, resume: int | None = None, compared: bool = False) -> Path:
+            out: str | Path | None = None, resume: int | None = None, compared: bool = False,
+            calibration: Callable[[int, int], None] | None = None) -> Path:
     """Check everything that can be checked before a run (DP settings, backend, the built-in data,
-    ``out``, the stores, Ray's address) and create the run directory; one exception with one line
-    (RunError, ConfigError, PrivacyError) if anything is wrong, and then nothing is written."""
+    ``out``, the stores, Ray's address, the trackers of ``tracking.backends``) and create the run
+    directory; one exception with one line (RunError, ConfigError, PrivacyError) if anything is
+    wrong, and then nothing is written. ``calibration(done, total)``: the progress of the built-in
+    task's DP noise calibration (a minute or two for 100 clients)."""
     from fedasync.outputs import make_run_dir, out_dir_problem
     from fedasync.runs import RunError, ray_address_problem
     from fedasync.store.opening import StoreOpenError, probe_store
@@ -120,7 +123,7 @@ def prepare(configs: list[tuple[str, Config]], *, task: Any = None, backend: str
 
         for label, c in configs:
             try:
-                check_runnable(c)
+                check_runnable(c, progress=calibration)
             except ValueError as e:
                 raise RunError(f"{label}: {e}" if compared else str(e)) from None
     if backend not in ("flower", "local"):
@@ -133,6 +136,12 @@ def prepare(configs: list[tuple[str, Config]], *, task: Any = None, backend: str
     problem = out_dir_problem(out, resume)
     if problem:
         raise RunError(problem)
+    from fedasync.tracking import TrackingError, check_backends
+
+    try:  # a tracker that is not installed: one line naming its extra
+        check_backends(cfg.tracking.backends)
+    except TrackingError as e:
+        raise RunError(str(e)) from None
     for _, c in configs:  # a store that cannot be opened: one line, before anything is written
         if c.store.url is not None:
             try:
@@ -162,7 +171,8 @@ def execute(configs: list[tuple[str, Config]], out: Path, *, compared: bool, tas
     parts: dict[str, Any] = {}
     try:
         summaries = run_configs(configs, out_dirs, backend, progress=progress, resume=resume, verbose=verbose,
-                                task=task, base_dir=base_dir, on_parts=parts.__setitem__)
+                                task=task, base_dir=base_dir, on_parts=parts.__setitem__,
+                                track_root=out if compared else None)
     except BaseException:
         if not existed:
             remove_if_empty(out)

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fedasync.tracking.schema import TrackingConfig
+
 
 class ConfigError(ValueError):
     """A bad config: the message is one line, starting with the key path."""
@@ -340,6 +342,7 @@ class Config(_Section):
     deploy: DeployConfig = DeployConfig()
     gossip: GossipConfig = GossipConfig()  # fedasync gossip only
     attack: AttackConfig | None = None  # simulation only
+    tracking: TrackingConfig = TrackingConfig()  # metrics to TensorBoard / MLflow (fedasync/tracking)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":

@@ -1,5 +1,6 @@
-"""What a run writes to its directory: summary.json, history.csv, accuracy.png, participation.png,
-config.yaml; and for ``--compare``: comparison.json and comparison.png.
+"""What a run writes to its directory: summary.json, history.csv, metrics.jsonl, accuracy.png,
+participation.png, config.yaml (and what ``tracking.backends`` asks for: :mod:`fedasync.tracking`);
+and for ``--compare``: comparison.json and comparison.png.
 
 A run directory is 0700 and every file written here 0600 (:mod:`fedasync.private`):
 ``config.yaml`` holds the store URL, password included. The store URL in ``summary.json`` and
@@ -173,8 +174,11 @@ def masked_summary(summary: dict) -> dict:
     return {**summary, "store_url": mask_url(summary["store_url"])} if summary.get("store_url") else summary
 
 
-def write_run_outputs(out: Path, cfg: Config, summary: dict) -> dict[str, Path]:
-    """The run's files in ``out`` (created 0700), each 0600; ``summary.json``'s store URL masked."""
+def write_run_outputs(out: Path, cfg: Config, summary: dict, root: Path | None = None,
+                      label: str | None = None) -> dict[str, Path]:
+    """The run's files in ``out`` (created 0700), each 0600; ``summary.json``'s store URL masked;
+    ``metrics.jsonl`` and the trackers of ``tracking.backends`` (:func:`fedasync.tracking.track_run`;
+    ``root``: the folder of ``--compare``'s shared MLflow store, ``label``: the run's name there)."""
     private_dir(out)
     paths = {
         "summary": out / "summary.json",
@@ -196,6 +200,10 @@ def write_run_outputs(out: Path, cfg: Config, summary: dict) -> dict[str, Path]:
         plot_participation(summary["participation"], paths["participation"],
                            f"{summary['strategy']}, {summary['participation'].get('scheduler', '')}")
     write_private(paths["config"], cfg.to_yaml())  # the whole config, store URL included: 0600
+    from fedasync.tracking import track_run
+
+    track_run(out, cfg, summary, root=root, label=label)
+    paths["metrics"] = out / "metrics.jsonl"
     return paths
 
 

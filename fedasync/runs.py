@@ -137,22 +137,26 @@ def run_configs(
     task: Any = None,
     base_dir: Path | None = None,
     on_parts: Callable[[str, Any], None] | None = None,
+    track_root: Path | None = None,
 ) -> dict[str, dict]:
     """Run each config in turn (one engine start for all) and write its outputs; the summaries
     by label. Each run's parts come from :func:`fedasync.assembly.assemble` (``task``: the Python
     API's task object; ``base_dir``: where ``task:`` is imported from), built before its store is
-    opened; ``on_parts(label, parts)`` sees them. The run directories are 0700 and what the run
+    opened; ``on_parts(label, parts)`` sees them; ``track_root``: ``--compare``'s folder, where its
+    runs share one MLflow store (``tracking``). The run directories are 0700 and what the run
     creates (the store, its blobs, the outputs) 0600: :func:`fedasync.private.private_umask` is
     held throughout."""
     from fedasync.private import private_umask
 
     with private_umask():
-        return _run_configs(configs, out_dirs, backend, progress, resume, verbose, task, base_dir, on_parts)
+        return _run_configs(configs, out_dirs, backend, progress, resume, verbose, task, base_dir, on_parts,
+                            track_root)
 
 
 def _run_configs(configs: list[tuple[str, Config]], out_dirs: dict[str, Path], backend: str,
                  progress: ProgressFactory | None, resume: int | None, verbose: bool, task: Any = None,
-                 base_dir: Path | None = None, on_parts: Callable[[str, Any], None] | None = None) -> dict[str, dict]:
+                 base_dir: Path | None = None, on_parts: Callable[[str, Any], None] | None = None,
+                 track_root: Path | None = None) -> dict[str, dict]:
     from fedasync.assembly import assemble
     from fedasync.outputs import write_run_outputs
     from fedasync.private import private_dir, private_sqlite
@@ -169,7 +173,7 @@ def _run_configs(configs: list[tuple[str, Config]], out_dirs: dict[str, Path], b
     summaries: dict[str, dict] = {}
 
     def on_result(label: str, cfg: Config, summary: dict) -> None:
-        write_run_outputs(out_dirs[label], cfg, summary)
+        write_run_outputs(out_dirs[label], cfg, summary, root=track_root, label=label)
         summaries[label] = summary
 
     def make_parts(label: str, cfg: Config, resumed: bool):

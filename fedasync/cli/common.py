@@ -28,6 +28,30 @@ def fail(message: str, code: int = 2) -> "typer.Exit":
     raise typer.Exit(code)
 
 
+TRACK_HELP = ("Send the run's metrics to tensorboard, mlflow or both (tensorboard,mlflow): tracking.backends; "
+              "metrics.jsonl is always written.")
+
+
+def track_or_exit(track: str | None, set_: list[str]) -> list[str]:
+    """``set_`` with ``--track a,b`` as ``tracking.backends=[a,b]``; an unknown name: one line, exit 2."""
+    from fedasync.tracking import TrackingError, parse_track
+
+    try:
+        return [*set_, *parse_track(track)]
+    except TrackingError as e:
+        fail(str(e))
+
+
+def tracking_or_exit(cfg: Config) -> None:
+    """Exit 2 with one line naming the extra when a tracker of ``tracking.backends`` is not installed."""
+    from fedasync.tracking import TrackingError, check_backends
+
+    try:
+        check_backends(cfg.tracking.backends)
+    except TrackingError as e:
+        fail(str(e))
+
+
 def load_or_exit(path: str | None, overrides: list[str] | None) -> Config:
     try:
         return load_config(path, overrides or [])

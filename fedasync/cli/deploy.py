@@ -320,10 +320,12 @@ def server(
                                     "default: deploy.public_keys names the client-<i>.pub directory); prints a "
                                     "warning."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="More logging."),
+    track: Optional[str] = typer.Option(None, "--track", help="Send the run's metrics to tensorboard, mlflow or "
+                                        "both: tracking.backends (metrics.jsonl is always written)."),
 ) -> None:
     """Run the asynchronous server on a SuperLink, for SuperNodes started with `fedasync client`."""
     from fedasync.cli.common import (RunProgress, check_store_or_exit, data_or_exit, deployable_or_exit,
-                                     load_or_exit, progress_bars, summary_table)
+                                     load_or_exit, progress_bars, summary_table, track_or_exit, tracking_or_exit)
     from fedasync.deploy.keys import client_public_keys, supernode_auth_keys
     from fedasync.deploy.processes import check_port_free, parse_address
     from fedasync.deploy.run import ServerRun, check_control_port, check_out_dir, resolve_tls
@@ -331,12 +333,14 @@ def server(
 
     if config is None and resume is None:
         fail("CONFIG: a YAML config is needed (optional only with --resume)")
+    set_ = track_or_exit(track, set_)
     cfg = load_or_exit(config, set_)
     try:
         if resume is not None:
             cfg = resume_config(config, set_, out, resume, cfg, mode="deployment")
     except RunError as e:
         fail(str(e))
+    tracking_or_exit(cfg)  # a tracker not installed: one line naming its extra, before anything starts
     deployable_or_exit(cfg)  # privacy.reproducible_noise: exit 2
     base_dir = Path(config).resolve().parent if config is not None else None  # where `task:` imports from
     if cfg.task:  # a user task: it must import (the ServerApp imports it from base_dir) and build its model

@@ -9,7 +9,8 @@ from typing import Optional
 
 import typer
 
-from fedasync.cli.common import console, fail, load_or_exit, progress_bars, quiet_flower
+from fedasync.cli.common import (TRACK_HELP, console, fail, load_or_exit, progress_bars, quiet_flower,
+                                 track_or_exit, tracking_or_exit)
 from fedasync.cli.peers import PEER_STORE_HELP, STORE_HELP, Bar, default_store, prepare, user_errors, write_and_print
 from fedasync.serverless.processes import STORE_ENV
 
@@ -55,6 +56,7 @@ def run(
                                  "(the same peer code, driven by the simulator)."),
     spawn: Optional[int] = typer.Option(None, "--spawn", min=0, help="Start only peers 0..M-1 here (default: all); "
                                         "the others join from other machines with `peer --run-id`."),
+    track: Optional[str] = typer.Option(None, "--track", help=TRACK_HELP),
 ) -> None:
     """Start N gossip peers; report the average model's accuracy, min/max peer accuracy and consensus distance.
 
@@ -64,8 +66,12 @@ def run(
     with private_umask():  # the run directory, store, logs and keys: 0700/0600, whatever the umask
         from fedasync.serverless.runs import open_store
 
-        cfg, out = prepare(config, set_, peers, out, time_budget, virtual, "gossip", spawn, store,
-                           lambda cfg: _check_topology(topology, degree, cfg.data.num_clients, cfg.seed))
+        def check(cfg) -> None:
+            tracking_or_exit(cfg)  # a tracker not installed: one line naming its extra
+            _check_topology(topology, degree, cfg.data.num_clients, cfg.seed)
+
+        cfg, out = prepare(config, track_or_exit(track, set_), peers, out, time_budget, virtual, "gossip", spawn,
+                           store, check)
         url = default_store(store, out)
         quiet_flower(False)
         t0 = time.time()

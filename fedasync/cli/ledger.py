@@ -11,7 +11,8 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from fedasync.cli.common import console, fail, load_or_exit, progress_bars, quiet_flower
+from fedasync.cli.common import (TRACK_HELP, console, fail, load_or_exit, progress_bars, quiet_flower,
+                                 track_or_exit, tracking_or_exit)
 from fedasync.cli.peers import (
     PEER_STORE_HELP,
     STORE_HELP,
@@ -59,6 +60,7 @@ def run(
                                         "the others join from other machines with `peer --run-id`."),
     peer_keys: Optional[Path] = typer.Option(None, "--peer-keys", help="Directory of peer-<i>.pub: the public keys "
                                              "of the peers that join from elsewhere, pinned in the genesis block."),
+    track: Optional[str] = typer.Option(None, "--track", help=TRACK_HELP),
 ) -> None:
     """Start N peer processes appending to one ledger; stop at the target, the time budget or --max-steps.
 
@@ -70,11 +72,13 @@ def run(
         from fedasync.serverless.runs import open_store
 
         def check(cfg) -> None:
+            tracking_or_exit(cfg)  # a tracker not installed: one line naming its extra
             if peer_keys is not None and (virtual or not peer_keys.is_dir()):
                 fail(f"--peer-keys: {peer_keys} is not a directory" if not virtual else
                      "--peer-keys: for peer processes, not --virtual")
 
-        cfg, out = prepare(config, set_, peers, out, time_budget, virtual, "ledger", spawn, store, check)
+        cfg, out = prepare(config, track_or_exit(track, set_), peers, out, time_budget, virtual, "ledger", spawn,
+                           store, check)
         url = default_store(store, out)
         quiet_flower(False)
         t0 = time.time()

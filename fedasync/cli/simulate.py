@@ -10,11 +10,25 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from fedasync.cli.common import RunProgress, console, fail, load_or_exit, progress_bars, quiet_flower, summary_table
+from fedasync.cli.common import (TRACK_HELP, RunProgress, console, fail, load_or_exit, progress_bars, quiet_flower,
+                                 summary_table, track_or_exit)
 from fedasync.config import Config, ConfigError
 from fedasync.outputs import plot_file
 from fedasync.private import mask_url
 from fedasync.runs import EngineError, RunError, resume_config
+
+
+class CalibrationBar:
+    """``calibration(done, total)`` of :func:`fedasync.api.prepare` as a rich progress bar (shown
+    only when there is noise to calibrate)."""
+
+    def __init__(self, bars):
+        self.bars, self.task = bars, None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.task is None:
+            self.task = self.bars.add_task("calibrating DP noise", total=total, info="")
+        self.bars.update(self.task, completed=done, info=f"{done}/{total} (epsilon, delta, q, steps)")
 
 
 def parse_compare(spec: str, base: Config) -> list[tuple[str, Config]]:
@@ -43,6 +57,7 @@ def simulate(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Flower's and Ray's logs."),
     resume: Optional[int] = typer.Option(
         None, "--resume", help="Continue run RUN_ID (stopped or killed) of the store in --out (or store.url)."),
+    track: Optional[str] = typer.Option(None, "--track", help=TRACK_HELP),
 ) -> None:
     """Run the asynchronous server with simulated clients on this machine."""
     from fedasync import api
@@ -50,6 +65,7 @@ def simulate(
     from fedasync.privacy.budgets import PrivacyError
     from fedasync.task.interface import TaskError
 
+    set_ = track_or_exit(track, set_)
     cfg = load_or_exit(config, set_)
     base_dir = Path(config).resolve().parent if config else None
     if resume is not None:
@@ -63,7 +79,9 @@ def simulate(
     backend = backend or cfg.simulation.backend
     existed = out is not None and out.exists()
     try:  # every input checked, then the run directory made (api.prepare)
-        out = api.prepare(configs, backend=backend, out=out, resume=resume, compared=bool(compare))
+        with progress_bars() as bars:  # DP noise calibration: a bar (a minute or two for 100 clients)
+            out = api.prepare(configs, backend=backend, out=out, resume=resume, compared=bool(compare),
+                              calibration=CalibrationBar(bars))
     except (ConfigError, RunError, TaskError, ValueError) as e:
         fail(str(e))
     quiet_flower(verbose)
@@ -101,7 +119,13 @@ def simulate(
         d = out_dirs[label]
         console.print(f"[bold]{escape(label)}[/bold]: " + escape(
             f"{d / 'summary.json'}, {d / 'history.csv'}, {d / plot_file(s)}, {d / 'participation.png'}, "
-            f"{d / 'config.yaml'}; store {mask_url(s['store_url'])}"))
+            f"{d / 'metrics.jsonl'}, {d / 'config.yaml'}; store {mask_url(s['store_url'])}"))
+    if "tensorboard" in cfg.tracking.backends:
+        console.print(escape(f"tensorboard: tensorboard --logdir {out}"), highlight=False)
+    if "mlflow" in cfg.tracking.backends:
+        where = cfg.tracking.mlflow_uri or f"sqlite:///{(out / 'mlflow.db').resolve()}"
+        console.print(escape(f"mlflow: experiment {cfg.tracking.experiment or cfg.name} in {mask_url(where)}"),
+                      highlight=False)
     for label, s in summaries.items():
         if s["stop_reason"] == "interrupted":
             console.print(escape(f"{label}: stopped; continue with --resume {s['run_id']} --out {out_dirs[label]}"))

@@ -247,7 +247,7 @@ def check_resume_config(stored_yaml: str, cfg: Config) -> str | None:
 
     may_change = {("server", k) for k in ("max_versions", "max_virtual_time", "max_wall_time",
                                            "target_accuracy", "target", "stop_at_target", "task_timeout", "late_policy",
-                                           "poll_interval", "eval_every", "max_rejected_in_a_row")} | {("store",), ("deploy",), ("name",),
+                                           "poll_interval", "eval_every", "max_rejected_in_a_row")} | {("store",), ("deploy",), ("name",), ("tracking",),
                                                                                ("simulation",)}
     from fedasync.config import ConfigError, config_from_dict
 

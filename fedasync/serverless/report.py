@@ -36,7 +36,7 @@ def stats(xs: list[float]) -> dict:
 
 
 def write_outputs(out: Path, cfg: Config, summary: dict, columns: list[str], extra_plot: str | None = None) -> dict:
-    """summary.json, history.csv (``columns``), accuracy.png (and ``extra_plot`` vs time), config.yaml,
+    """summary.json, history.csv (``columns``), metrics.jsonl, accuracy.png (and ``extra_plot`` vs time), config.yaml,
     in ``out`` made 0700; the files fedasync writes itself are 0600 (the plots follow the umask,
     which the commands hold at 077: :func:`fedasync.private.private_umask`)."""
     import csv
@@ -75,6 +75,10 @@ def write_outputs(out: Path, cfg: Config, summary: dict, columns: list[str], ext
         fig.savefig(paths["extra"])
         plt.close(fig)
     write_private(paths["config"], cfg.to_yaml())
+    from fedasync.tracking import track_serverless
+
+    track_serverless(out, cfg, summary)  # metrics.jsonl, and tracking.backends
+    paths["metrics"] = out / "metrics.jsonl"
     return paths
 
 

@@ -1,0 +1,197 @@
+"""Experiment tracking: what a run reports beyond ``history.csv`` and ``summary.json``.
+
+Every run writes ``metrics.jsonl`` beside ``history.csv``: one JSON object per evaluation (``step``
+= the model version, ``virtual_time_s``, ``eval/<metric>`` for every metric of the evaluation, and
+the asynchronous, privacy and participation figures of :mod:`fedasync.tracking.records`).
+``tracking.backends`` (``--track tensorboard,mlflow``) sends the same records to TensorBoard
+(:mod:`.tensorboard`) and MLflow (:mod:`.mlflow`), with the resolved config as parameters and, in
+MLflow, the final model as an artifact. A backend is imported only when asked for;
+:func:`check_backends` says in one line which extra to install, before a run starts.
+
+The records are made when a run ends (finished, stopped or interrupted) from its history and its
+store, so tracking never touches the loop: a run's model and history are the same with or without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
+
+if TYPE_CHECKING:
+    from fedasync.config import Config
+    from fedasync.tracking.records import Record
+
+log = logging.getLogger("fedasync")
+
+#: backend -> (the module it imports, the package and the fedasync extra that install it)
+NEEDS = {"tensorboard": ("tensorboardX", "tensorboardX", "tensorboard"),
+         "mlflow": ("mlflow", "mlflow-skinny", "mlflow")}
+
+
+class TrackingError(ValueError):
+    """A tracker asked for that cannot be used: one line naming the extra that installs it."""
+
+
+class Tracker(Protocol):
+    """What a backend does with a run: its config, one call per record, the final model, done."""
+
+    def log_params(self, params: dict[str, Any]) -> None: ...
+
+    def log_step(self, step: int, time_s: float, scalars: dict[str, float],
+                 histograms: dict[str, list[float]]) -> None: ...
+
+    def log_model(self, path: Path) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def check_backends(backends: Iterable[str], opt: str = "tracking.backends") -> None:
+    """Import each backend's package; TrackingError (one line: ``pip install fedasync[<extra>]``)
+    for the first that is not installed or does not import."""
+    for name in backends:
+        module, package, extra = NEEDS[name]
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # ImportError, or a broken install
+            why = "is not installed" if isinstance(e, ImportError) else f"does not import ({type(e).__name__})"
+            raise TrackingError(f"{opt}: {name} needs {package}, which {why}: pip install 'fedasync[{extra}]'") \
+                from None
+
+
+def parse_track(spec: str | None) -> list[str]:
+    """``--track tensorboard,mlflow`` as ``--set`` strings (empty when not given); an unknown name is a
+    TrackingError naming ``--track``."""
+    if spec is None:
+        return []
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    bad = [s for s in names if s not in NEEDS]
+    if bad or not names:
+        raise TrackingError(f"--track: {', '.join(bad) or repr(spec)} is not one of {', '.join(NEEDS)}")
+    return [f"tracking.backends={json.dumps(names)}"]
+
+
+def flat_params(cfg: Config) -> dict[str, Any]:
+    """The resolved config as ``{dotted.key: value}`` (lists as JSON, None as ``null``); the store
+    URL and ``tracking.mlflow_uri`` with their passwords masked."""
+    from fedasync.private import mask_url
+
+    out: dict[str, Any] = {}
+
+    def walk(prefix: str, v: Any) -> None:
+        if isinstance(v, dict) and v:
+            for k, x in v.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), x)
+        elif isinstance(v, (bool, int, float, str)):
+            out[prefix] = mask_url(v) if prefix in ("store.url", "tracking.mlflow_uri") else v
+        else:
+            out[prefix] = json.dumps(v)
+    walk("", cfg.model_dump(mode="json", by_alias=True))
+    return out
+
+
+def make_trackers(cfg: Config, run_dir: Path, root: Path | None = None, label: str | None = None) -> list[Tracker]:
+    """One tracker per ``cfg.tracking.backends`` for the run in ``run_dir``; ``root``: the folder of
+    the MLflow store shared by ``--compare``'s runs (default ``run_dir``); ``label``: the run's name."""
+    tr = cfg.tracking
+    out: list[Tracker] = []
+    for name in tr.backends:
+        if name == "tensorboard":
+            from fedasync.tracking.tensorboard import TensorBoardTracker
+
+            out.append(TensorBoardTracker(run_dir / "tensorboard"))
+        elif name == "mlflow":
+            from fedasync.tracking.mlflow import MLflowTracker
+
+            base = Path(root or run_dir)
+            uri = tr.mlflow_uri or f"sqlite:///{(base / 'mlflow.db').resolve()}"
+            out.append(MLflowTracker(uri, tr.experiment or cfg.name, label or cfg.server.strategy,
+                                     None if tr.mlflow_uri else base / "mlartifacts"))
+    return out
+
+
+def write_jsonl(path: Path, recs: list[Record]) -> None:
+    """``metrics.jsonl`` (0600): each record's scalars, one JSON object per line (non-finite: null)."""
+    import math
+
+    from fedasync.private import write_private
+
+    def line(r: Record) -> str:
+        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.scalars.items()}
+        return json.dumps(row, allow_nan=False) + "\n"
+    write_private(path, "".join(line(r) for r in recs))
+
+
+def send(trackers: list[Tracker], cfg: Config, recs: list[Record], model: Path | None) -> None:
+    """Each record, the config and the model to each tracker; a tracker that fails is logged as one
+    warning line (the run's own outputs are written already)."""
+    params = flat_params(cfg)
+    for t in trackers:
+        try:
+            t.log_params(params)
+            for r in recs:
+                scalars = {k: v for k, v in r.scalars.items() if k not in ("step", "virtual_time_s") and v is not None}
+                t.log_step(r.step, r.time, scalars, r.histograms)
+            if model is not None:
+                t.log_model(model)
+            t.close()
+        except Exception as e:  # noqa: BLE001 - a tracker down must not lose the run
+            log.warning("tracking: %s failed: %s: %s", type(t).__name__, type(e).__name__, str(e).splitlines()[0] if
+                        str(e) else "")
+
+
+def track_run(run_dir: Path, cfg: Config, summary: dict, root: Path | None = None, label: str | None = None) -> None:
+    """``metrics.jsonl`` of a server run (simulated or deployed) from its summary and store, and
+    the same records to ``cfg.tracking.backends`` (the final model as ``model.npz`` for MLflow)."""
+    import math
+
+    import numpy as np
+
+    from fedasync.private import open_private
+    from fedasync.store import Store
+    from fedasync.tracking.records import records
+
+    st = Store(summary["store_url"])
+    try:
+        run_id = summary["run_id"]
+        recs = records(summary["history"], st.updates(run_id), st.dispatches(run_id), cfg.data.num_clients,
+                       local_dp=cfg.privacy.local_dp.enabled, per_client=cfg.tracking.per_client)
+        params = None
+        if "mlflow" in cfg.tracking.backends:
+            try:
+                params = st.load_version(run_id)[1]
+            except KeyError:  # store.save_parameters: false
+                pass
+    finally:
+        st.close()
+    if recs:  # the summary's scheduler/filter figures and a central ε, at the last evaluation
+        last = recs[-1].scalars
+        for k, v in sorted((summary.get("robust") or {}).items()):
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                last[f"robust/{k}"] = v
+        eps = (summary.get("privacy") or {}).get("epsilon_max")
+        if "privacy/epsilon_max" not in last and isinstance(eps, (int, float)) and math.isfinite(eps):
+            last["privacy/epsilon_max"] = eps
+    write_jsonl(run_dir / "metrics.jsonl", recs)
+    if not cfg.tracking.backends:
+        return
+    model = None
+    if params is not None:
+        model = run_dir / "model.npz"
+        with open_private(model, "wb") as f:
+            np.savez(f, **params)
+    send(make_trackers(cfg, run_dir, root, label), cfg, recs, model)
+
+
+def track_serverless(run_dir: Path, cfg: Config, summary: dict) -> None:
+    """``metrics.jsonl`` of a ledger or gossip run (:func:`fedasync.tracking.records.serverless_records`)
+    and the same records to ``cfg.tracking.backends`` (no model artifact: its summary names the
+    model by sha256, and the store holds it)."""
+    from fedasync.tracking.records import serverless_records
+
+    recs = serverless_records(summary)
+    write_jsonl(run_dir / "metrics.jsonl", recs)
+    if cfg.tracking.backends:
+        send(make_trackers(cfg, run_dir, label=summary.get("strategy")), cfg, recs, None)
