@@ -85,10 +85,12 @@ def _finite(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else float(x)
 
 
-def check_runnable(cfg: Config, sizes: list[int] | None = None, model: Any = None) -> None:
+def check_runnable(cfg: Config, sizes: list[int] | None = None, model: Any = None,
+                   progress: Any = None) -> None:
     """Everything that can be checked before a DP run starts (raises :class:`PrivacyError`).
     ``sizes`` (each client's examples) and ``model()`` (the task's model): a run's parts
-    (:func:`fedasync.assembly.assemble`); without them, the built-in task's."""
+    (:func:`fedasync.assembly.assemble`); without them, the built-in task's. ``progress(done,
+    total)``: the noise calibration's (:func:`fedasync.privacy.budgets.plan_clients`)."""
     from fedasync.privacy.dp import check_model, check_secure_mode
 
     p = cfg.privacy
@@ -106,7 +108,7 @@ def check_runnable(cfg: Config, sizes: list[int] | None = None, model: Any = Non
             sizes = fed.sizes()
             model = lambda: build_model(cfg.model, fed.input_shape, fed.num_classes)  # noqa: E731
         check_model(model())
-        plan_clients(cfg, list(sizes))  # resolves every budget and calibrates sigma (cached)
+        plan_clients(cfg, list(sizes), progress)  # resolves every budget and calibrates sigma (cached)
 
 
 class PrivacyTracker:
