@@ -6,8 +6,6 @@ DP noise calibration."""
 from __future__ import annotations
 
 import csv
-import hashlib
-import io
 import json
 import sys
 from pathlib import Path
@@ -25,19 +23,10 @@ DP = ["privacy.local_dp.enabled=true", "privacy.local_dp.noise_multiplier=1.0", 
       "train.batch_size=8"]
 
 
-def _sets(*extra: str) -> dict:
-    out = {}
-    for s in [*SMALL, *extra]:
-        k, v = s.split("=", 1)
-        out[k] = json.loads(v) if v not in ("small",) and not v.isidentifier() or v in ("true", "false", "null") \
-            else v
-    return out
-
-
 def _run(tmp_path: Path, *extra: str, name: str = "run"):
     import fedasync
 
-    return fedasync.simulate(None, set=_sets(*extra), backend="local", out=tmp_path / name)
+    return fedasync.simulate(None, set=[*SMALL, *extra], backend="local", out=tmp_path / name)  # --set strings
 
 
 def _history(run_dir: Path) -> list[dict]:
@@ -141,7 +130,8 @@ def test_compare_logs_each_strategy_as_a_run_of_one_experiment(tmp_path):
     from mlflow.tracking import MlflowClient
 
     out = tmp_path / "cmp"
-    r = CliRunner().invoke(app, ["simulate", "--backend", "local", "--out", str(out), *sum([["--set", s] for s in SMALL], []),
+    sets = [x for s in SMALL for x in ("--set", s)]
+    r = CliRunner().invoke(app, ["simulate", "--backend", "local", "--out", str(out), *sets,
                                  "--compare", "fedasync,fedbuff", "--track", "mlflow,tensorboard"])
     assert r.exit_code == 0, r.output
     client = MlflowClient(f"sqlite:///{out / 'mlflow.db'}")
@@ -222,3 +212,16 @@ def test_noise_calibration_reports_progress_and_plans_the_same():
     assert calls == [(i, total) for i in range(total + 1)] and total == len({p.sample_rate for p in with_progress})
     budgets.calibrate.cache_clear()
     assert [p.noise_multiplier for p in budgets.plan_clients(cfg, sizes)] == [p.noise_multiplier for p in with_progress]
+
+
+def test_a_tracker_that_fails_at_the_end_loses_nothing_of_the_run(tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="fedasync")
+    (tmp_path / "a-file").write_text("")  # MLflow cannot make its store below a file
+    r = _run(tmp_path, "tracking.backends=[\"mlflow\", \"tensorboard\"]",
+             f"tracking.mlflow_uri=\"sqlite:///{tmp_path}/a-file/m.db\"")
+    assert (r.run_dir / "summary.json").is_file() and len(_jsonl(r.run_dir)) == len(r.history)
+    assert "eval/accuracy" in _events(r.run_dir / "tensorboard").Tags()["scalars"]  # the other tracker went on
+    warnings = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("tracking:")]
+    assert len(warnings) == 1 and len(warnings[0].splitlines()) == 1

@@ -18,7 +18,7 @@ import importlib
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 if TYPE_CHECKING:
     from fedasync.config import Config
@@ -94,59 +94,112 @@ def flat_params(cfg: Config) -> dict[str, Any]:
 
 def make_trackers(cfg: Config, run_dir: Path, root: Path | None = None, label: str | None = None) -> list[Tracker]:
     """One tracker per ``cfg.tracking.backends`` for the run in ``run_dir``; ``root``: the folder of
-    the MLflow store shared by ``--compare``'s runs (default ``run_dir``); ``label``: the run's name."""
+    the MLflow store shared by ``--compare``'s runs (default ``run_dir``); ``label``: the run's name.
+    A backend that cannot be made is logged as one warning line and left out."""
     tr = cfg.tracking
     out: list[Tracker] = []
     for name in tr.backends:
-        if name == "tensorboard":
-            from fedasync.tracking.tensorboard import TensorBoardTracker
+        try:  # one that cannot be made (an MLflow store that cannot be reached): a warning, the others go on
+            if name == "tensorboard":
+                from fedasync.tracking.tensorboard import TensorBoardTracker
 
-            out.append(TensorBoardTracker(run_dir / "tensorboard"))
-        elif name == "mlflow":
-            from fedasync.tracking.mlflow import MLflowTracker
+                out.append(TensorBoardTracker(run_dir / "tensorboard"))
+            elif name == "mlflow":
+                from fedasync.tracking.mlflow import MLflowTracker
 
-            base = Path(root or run_dir)
-            uri = tr.mlflow_uri or f"sqlite:///{(base / 'mlflow.db').resolve()}"
-            out.append(MLflowTracker(uri, tr.experiment or cfg.name, label or cfg.server.strategy,
-                                     None if tr.mlflow_uri else base / "mlartifacts"))
+                base = Path(root or run_dir)
+                uri = tr.mlflow_uri or f"sqlite:///{(base / 'mlflow.db').resolve()}"
+                out.append(MLflowTracker(uri, tr.experiment or cfg.name, label or cfg.server.strategy,
+                                         None if tr.mlflow_uri else base / "mlartifacts"))
+        except Exception as e:  # noqa: BLE001
+            _Fanout._warn(name, e)
     return out
 
 
-def write_jsonl(path: Path, recs: list[Record]) -> None:
-    """``metrics.jsonl`` (0600): each record's scalars, one JSON object per line (non-finite: null)."""
+def _line(r: Record) -> str:
+    """A record's scalars as one strict JSON line (a non-finite value: null)."""
     import math
 
-    from fedasync.private import write_private
-
-    def line(r: Record) -> str:
-        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.scalars.items()}
-        return json.dumps(row, allow_nan=False) + "\n"
-    write_private(path, "".join(line(r) for r in recs))
+    row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.scalars.items()}
+    return json.dumps(row, allow_nan=False) + "\n"
 
 
-def send(trackers: list[Tracker], cfg: Config, recs: list[Record], model: Path | None) -> None:
-    """Each record, the config and the model to each tracker; a tracker that fails is logged as one
-    warning line (the run's own outputs are written already)."""
-    params = flat_params(cfg)
-    for t in trackers:
+class _Fanout:
+    """Calls a method on every tracker still working; one that raises is logged as one warning line
+    and dropped (the run's own files are written already: a tracker down must not lose the run)."""
+
+    def __init__(self, make: Callable[[], list[Tracker]]):
+        self.live: list[Any] = []
         try:
-            t.log_params(params)
-            for r in recs:
-                scalars = {k: v for k, v in r.scalars.items() if k not in ("step", "virtual_time_s") and v is not None}
-                t.log_step(r.step, r.time, scalars, r.histograms)
-            if model is not None:
-                t.log_model(model)
-            t.close()
-        except Exception as e:  # noqa: BLE001 - a tracker down must not lose the run
-            log.warning("tracking: %s failed: %s: %s", type(t).__name__, type(e).__name__, str(e).splitlines()[0] if
-                        str(e) else "")
+            self.live = list(make())
+        except Exception as e:  # noqa: BLE001 - e.g. an MLflow server that cannot be reached
+            self._warn("tracking", e)
+
+    @staticmethod
+    def _warn(who: str, e: BaseException) -> None:
+        log.warning("tracking: %s failed: %s: %s", who, type(e).__name__, (str(e).splitlines() or [""])[0])
+
+    def __call__(self, method: str, *args: Any) -> None:
+        for t in list(self.live):
+            try:
+                getattr(t, method)(*args)
+            except Exception as e:  # noqa: BLE001
+                self._warn(type(t).__name__, e)
+                self.live.remove(t)
+
+
+def stream(run_dir: Path, cfg: Config, recs: Iterable[Record], make: Callable[[], list[Tracker]],
+           last: Callable[[dict], None] | None = None, model: Callable[[], Path | None] | None = None) -> None:
+    """Write ``metrics.jsonl`` (0600) and send each record to the trackers ``make()`` builds (none
+    when ``tracking.backends`` is empty), one record at a time: a run of 10,000 clients never holds
+    every version's per-client histograms at once. ``last(scalars)`` adds to the last record;
+    ``model()``: the final model's file, for the trackers that keep artifacts."""
+    from fedasync.private import open_private
+
+    fan = _Fanout(make if cfg.tracking.backends else list)
+    if fan.live:
+        fan("log_params", flat_params(cfg))
+
+    def emit(r: Record, f) -> None:
+        f.write(_line(r))
+        scalars = {k: v for k, v in r.scalars.items() if k not in ("step", "virtual_time_s") and v is not None}
+        fan("log_step", r.step, r.time, scalars, r.histograms)
+
+    with open_private(run_dir / "metrics.jsonl", "w") as f:
+        prev = None
+        for r in recs:
+            if prev is not None:
+                emit(prev, f)
+            prev = r
+        if prev is not None:
+            if last is not None:
+                last(prev.scalars)
+            emit(prev, f)
+    if fan.live:
+        path = model() if model is not None else None
+        if path is not None:
+            fan("log_model", path)
+        fan("close")
+
+
+def _summary_figures(summary: dict) -> Callable[[dict], None]:
+    """What the last record gets from a server run's summary: the filter's figures (``robust/*``)
+    and a central ε (``privacy/epsilon_max`` when the records have none)."""
+    import math
+
+    def add(last: dict) -> None:
+        for k, v in sorted((summary.get("robust") or {}).items()):
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                last[f"robust/{k}"] = v
+        eps = (summary.get("privacy") or {}).get("epsilon_max")
+        if "privacy/epsilon_max" not in last and isinstance(eps, (int, float)) and math.isfinite(eps):
+            last["privacy/epsilon_max"] = eps
+    return add
 
 
 def track_run(run_dir: Path, cfg: Config, summary: dict, root: Path | None = None, label: str | None = None) -> None:
     """``metrics.jsonl`` of a server run (simulated or deployed) from its summary and store, and
     the same records to ``cfg.tracking.backends`` (the final model as ``model.npz`` for MLflow)."""
-    import math
-
     import numpy as np
 
     from fedasync.private import open_private
@@ -158,31 +211,22 @@ def track_run(run_dir: Path, cfg: Config, summary: dict, root: Path | None = Non
         run_id = summary["run_id"]
         recs = records(summary["history"], st.updates(run_id), st.dispatches(run_id), cfg.data.num_clients,
                        local_dp=cfg.privacy.local_dp.enabled, per_client=cfg.tracking.per_client)
-        params = None
-        if "mlflow" in cfg.tracking.backends:
+
+        def model() -> Path | None:
+            if "mlflow" not in cfg.tracking.backends:
+                return None
             try:
                 params = st.load_version(run_id)[1]
             except KeyError:  # store.save_parameters: false
-                pass
+                return None
+            path = run_dir / "model.npz"
+            with open_private(path, "wb") as f:
+                np.savez(f, **params)
+            return path
+
+        stream(run_dir, cfg, recs, lambda: make_trackers(cfg, run_dir, root, label), _summary_figures(summary), model)
     finally:
         st.close()
-    if recs:  # the summary's scheduler/filter figures and a central ε, at the last evaluation
-        last = recs[-1].scalars
-        for k, v in sorted((summary.get("robust") or {}).items()):
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                last[f"robust/{k}"] = v
-        eps = (summary.get("privacy") or {}).get("epsilon_max")
-        if "privacy/epsilon_max" not in last and isinstance(eps, (int, float)) and math.isfinite(eps):
-            last["privacy/epsilon_max"] = eps
-    write_jsonl(run_dir / "metrics.jsonl", recs)
-    if not cfg.tracking.backends:
-        return
-    model = None
-    if params is not None:
-        model = run_dir / "model.npz"
-        with open_private(model, "wb") as f:
-            np.savez(f, **params)
-    send(make_trackers(cfg, run_dir, root, label), cfg, recs, model)
 
 
 def track_serverless(run_dir: Path, cfg: Config, summary: dict) -> None:
@@ -191,7 +235,5 @@ def track_serverless(run_dir: Path, cfg: Config, summary: dict) -> None:
     model by sha256, and the store holds it)."""
     from fedasync.tracking.records import serverless_records
 
-    recs = serverless_records(summary)
-    write_jsonl(run_dir / "metrics.jsonl", recs)
-    if cfg.tracking.backends:
-        send(make_trackers(cfg, run_dir, label=summary.get("strategy")), cfg, recs, None)
+    stream(run_dir, cfg, serverless_records(summary),
+           lambda: make_trackers(cfg, run_dir, label=summary.get("strategy")))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 
 @dataclass
@@ -47,11 +47,12 @@ def _finite(x: Any) -> bool:
 
 
 def records(history: list[dict], updates: Iterable[Any], dispatches: Iterable[Any], num_clients: int,
-            *, local_dp: bool = False, per_client: bool = False) -> list[Record]:
+            *, local_dp: bool = False, per_client: bool = False) -> Iterator[Record]:
     """The records of a run whose evaluations are ``history`` (rows ``version``, ``virtual_time_s``,
     metrics), whose store holds ``updates`` (rows with ``received_virtual``, ``staleness``,
     ``accepted``, ``reason``, ``loss``, ``epsilon``, ``client_id``) and ``dispatches`` (rows with
-    ``sent_virtual``, ``client_id``); ``local_dp``: per-client ε figures."""
+    ``sent_virtual``, ``client_id``); ``local_dp``: per-client ε figures. A generator: one record
+    at a time, its histograms fresh lists (nothing of 10,000 clients' is kept per version)."""
     ups = sorted(updates, key=lambda u: (round(float(u.received_virtual), 6), u.task_id))
     dis = sorted(dispatches, key=lambda d: (round(float(d.sent_virtual), 6), d.task_id))
     n = max(int(num_clients), 1)
@@ -65,7 +66,6 @@ def records(history: list[dict], updates: Iterable[Any], dispatches: Iterable[An
     c_total = c_sq = seen = 0  # dispatches counted, the sum of their squared counts, clients dispatched
     st_by = [0.0] * n
     st_k = [0] * n
-    out: list[Record] = []
     for row in history:
         t = float(row["virtual_time_s"])
         while i < len(ups) and round(float(ups[i].received_virtual), 6) <= t:
@@ -115,8 +115,7 @@ def records(history: list[dict], updates: Iterable[Any], dispatches: Iterable[An
         if per_client:
             hist["participation/dispatches_clients"] = [float(x) for x in counts]
             hist["async/staleness_clients"] = [st_by[c] / st_k[c] for c in range(n) if st_k[c]]
-        out.append(Record(scalars, hist))
-    return out
+        yield Record(scalars, hist)
 
 
 #: history.csv columns of a ledger or gossip run that are no metric of their own
