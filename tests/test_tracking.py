@@ -126,6 +126,18 @@ def test_mlflow_store_holds_params_metrics_and_the_model(tmp_path):
     assert run.info.status == "FINISHED"
 
 
+def test_mlflow_uri_of_a_sqlite_file_keeps_the_artifacts_beside_it(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.chdir(tmp_path)
+    r = _run(tmp_path, "tracking.backends=[\"mlflow\"]", f"tracking.mlflow_uri=\"sqlite:///{tmp_path}/t/m.db\"")
+    client = MlflowClient(f"sqlite:///{tmp_path}/t/m.db")
+    run = client.search_runs([client.get_experiment_by_name("small").experiment_id])[0]
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["model.npz"]
+    assert list((tmp_path / "t" / "mlartifacts").rglob("model.npz")) and not (tmp_path / "mlruns").exists()
+    assert not (r.run_dir / "mlflow.db").exists()
+
+
 def test_compare_logs_each_strategy_as_a_run_of_one_experiment(tmp_path):
     from mlflow.tracking import MlflowClient
 

@@ -109,8 +109,11 @@ def make_trackers(cfg: Config, run_dir: Path, root: Path | None = None, label: s
 
                 base = Path(root or run_dir)
                 uri = tr.mlflow_uri or f"sqlite:///{(base / 'mlflow.db').resolve()}"
+                # a SQLite store keeps its artifacts beside it (MLflow's default: ./mlruns where the
+                # command runs); a tracking server keeps its own
+                local = uri.startswith("sqlite:///") and uri != "sqlite:///:memory:"
                 out.append(MLflowTracker(uri, tr.experiment or cfg.name, label or cfg.server.strategy,
-                                         None if tr.mlflow_uri else base / "mlartifacts"))
+                                         Path(uri[len("sqlite:///"):]).parent / "mlartifacts" if local else None))
         except Exception as e:  # noqa: BLE001
             _Fanout._warn(name, e)
     return out
