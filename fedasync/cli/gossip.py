@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from fedasync.cli.common import (TRACK_HELP, console, fail, load_or_exit, progress_bars, quiet_flower,
-                                 track_or_exit, tracking_or_exit)
+                                 track_or_exit)
 from fedasync.cli.peers import PEER_STORE_HELP, STORE_HELP, Bar, default_store, prepare, user_errors, write_and_print
 from fedasync.serverless.processes import STORE_ENV
 
@@ -67,7 +67,6 @@ def run(
         from fedasync.serverless.runs import open_store
 
         def check(cfg) -> None:
-            tracking_or_exit(cfg)  # a tracker not installed: one line naming its extra
             _check_topology(topology, degree, cfg.data.num_clients, cfg.seed)
 
         cfg, out = prepare(config, track_or_exit(track, set_), peers, out, time_budget, virtual, "gossip", spawn,

@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from fedasync.cli.common import (TRACK_HELP, console, fail, load_or_exit, progress_bars, quiet_flower,
-                                 track_or_exit, tracking_or_exit)
+                                 track_or_exit)
 from fedasync.cli.peers import (
     PEER_STORE_HELP,
     STORE_HELP,
@@ -72,7 +72,6 @@ def run(
         from fedasync.serverless.runs import open_store
 
         def check(cfg) -> None:
-            tracking_or_exit(cfg)  # a tracker not installed: one line naming its extra
             if peer_keys is not None and (virtual or not peer_keys.is_dir()):
                 fail(f"--peer-keys: {peer_keys} is not a directory" if not virtual else
                      "--peer-keys: for peer processes, not --virtual")

@@ -12,7 +12,7 @@ from typing import Callable, Iterator, Optional
 from rich.markup import escape
 from rich.table import Table
 
-from fedasync.cli.common import console, data_or_exit, fail
+from fedasync.cli.common import console, data_or_exit, fail, tracking_or_exit
 from fedasync.private import mask_url
 
 STORE_HELP = "SQLAlchemy URL of the store (SQLite for one machine, postgresql+psycopg://... for many)."
@@ -40,7 +40,7 @@ def prepare(config: Optional[str], set_: list[str], peers: Optional[int], out: O
             time_budget: Optional[float], virtual: bool, kind: str, spawn: Optional[int] = None,
             store: Optional[str] = None, check: Optional[Callable] = None):
     """The config for N peers, and the output directory (new, empty), created only once every
-    input has been checked (``check(cfg)``: the command's own checks)."""
+    input has been checked (the trackers asked for are installed; ``check(cfg)``: the command's own checks)."""
     from fedasync.config import ConfigError, apply_overrides, config_from_dict, packaged_example, read_yaml
     from fedasync.outputs import new_run_dir
     from fedasync.serverless.common import cap_for_peers
@@ -65,6 +65,7 @@ def prepare(config: Optional[str], set_: list[str], peers: Optional[int], out: O
             fail("--spawn: starts peer processes, which --virtual does not use")
         if not 0 <= spawn <= n:
             fail(f"--spawn: must be in 0..{n} (the number of peers), got {spawn}")
+    tracking_or_exit(cfg)  # a tracker not installed: one line naming its extra
     if check is not None:
         check(cfg)
     data_or_exit(cfg)
