@@ -142,14 +142,6 @@ def local_data(setup_json: str, client_id: int, data_path: str | None = None):
     return _federation(setup_json).partitions[client_id]
 
 
-def check_device_data(path: str, x: np.ndarray, y: np.ndarray, shape: tuple[int, ...], num_classes: int) -> None:
-    """A device's own data must fit the federation's model: the same sample size, labels 0-(C-1)
-    (else torch fails deep inside training with a shape or ``Target ... is out of bounds`` error)."""
-    from fedasync.task.builtin import check_device_data as check
-
-    check(path, x, y, shape, num_classes)
-
-
 @functools.lru_cache(maxsize=16)
 def _train_dataset(setup_json: str, node_task: str | None, device_node: bool, client_id: int,
                    data_path: str | None, _mtime_ns: int | None = None, _size: int | None = None):
