@@ -16,8 +16,12 @@ built-in run's model is bit-identical); for a user task, from its functions: cli
 ``load_centralized()`` (else the clients' test sets pooled), and Zeno++'s validation gradient is
 the gradient of ``loss`` over a seeded sample of the pooled training sets.
 
-Evaluation returns the task's metric dict. A target (``server.target`` or ``target_accuracy``)
-names a metric; one the task does not report is a :class:`TargetError` at the first evaluation,
+Evaluation returns the task's metric dict; with a validation set (``data.val_fraction > 0`` for the
+built-in task, ``load_validation`` for a user task) the same metrics on it too, each prefixed
+``val_`` (``val_accuracy``, ``val_loss``), so ``server.target`` may name them: a sweep tunes on
+validation while the test metrics stay for reporting. ``data.val_fraction`` with a user task is a
+``TaskError`` (the task defines its own ``load_validation``). A target (``server.target`` or
+``target_accuracy``) names a metric; one the task does not report is a :class:`TargetError` at the first evaluation,
 which :func:`assemble` runs on the initial model (a new run), before the run is written anywhere.
 """
 
@@ -117,7 +121,7 @@ class RunParts:
 def _builtin_sources(cfg: Config):
     """The built-in task's arrays: (task, fed, sizes, eval model, metrics fn, validation gradient fn,
     init). With ``privacy.local_dp.fix_model`` every model is the task's fixed one."""
-    from fedasync.task.data import load_federated, load_test
+    from fedasync.task.data import load_federated, load_test, load_validation
     from fedasync.task.models import build_model, init_params
     from fedasync.task.train import evaluate, gradient
 
@@ -125,6 +129,7 @@ def _builtin_sources(cfg: Config):
 
     fed = load_federated(cfg.data, cfg.seed)
     x_test, y_test = load_test(cfg.data, cfg.seed)
+    val = load_validation(cfg.data, cfg.seed)
     task = interface.builtin_task(cfg.data, cfg.model, cfg.seed, tuple(fed.input_shape), int(fed.num_classes))
     dp = cfg.privacy.local_dp
     task.fix_model = bool(dp.enabled and getattr(dp, "fix_model", False))  # task.model() then applies the fix
@@ -134,7 +139,10 @@ def _builtin_sources(cfg: Config):
 
     def metrics(model) -> dict:
         loss, acc = evaluate(model, x_test, y_test)
-        return {"accuracy": acc, "loss": loss}
+        if val is None:
+            return {"accuracy": acc, "loss": loss}
+        val_loss, val_acc = evaluate(model, *val)
+        return {"accuracy": acc, "loss": loss, "val_accuracy": val_acc, "val_loss": val_loss}
 
     def validation(size: int):
         from fedasync.server.robust import validation_split
@@ -162,8 +170,11 @@ def task_sources(cfg: Config, task: Any):
     import torch
     from torch.utils.data import ConcatDataset, DataLoader, Subset
 
-    from fedasync.task.interface import check_nonempty, init_params
+    from fedasync.task.interface import TaskError, check_nonempty, init_params
 
+    if cfg.data.val_fraction > 0:
+        raise TaskError(f"data.val_fraction: task {task.name} brings its own data; define load_validation in the "
+                        "task (same shape as load_centralized) instead")
     n = cfg.data.num_clients
     parts = [task.load_data(c, n) for c in range(n)]
     sizes = [len(tr) for tr, _ in parts]
@@ -173,11 +184,16 @@ def task_sources(cfg: Config, task: Any):
         evalset, where = ConcatDataset([te for _, te in parts if len(te)]) if any(len(te) for _, te in parts) \
             else [], f"task {task.name}: load_data(...)[1] (every client's test set)"
     check_nonempty(evalset, where)
+    valset = task.load_validation()
     model = task.model()
 
     def metrics(m) -> dict:
         with torch.no_grad():
-            return task.evaluate(m, DataLoader(evalset, batch_size=EVAL_BATCH))
+            out = task.evaluate(m, DataLoader(evalset, batch_size=EVAL_BATCH))
+            if valset is not None:
+                val = task.evaluate(m, DataLoader(valset, batch_size=EVAL_BATCH))
+                out.update({f"val_{k}": v for k, v in val.items()})
+            return out
 
     def validation(size: int):
         from fedasync.task.models import get_params, set_params

@@ -41,6 +41,9 @@ class DataConfig(_Section):
     test_fraction: float = Field(0.2, gt=0, lt=1)
     # the server evaluates on a seeded stratified subset of this many test samples (speed); None: all
     test_samples: int | None = Field(None, gt=0)
+    # a seeded stratified validation split carved out of the training pool before it is partitioned
+    # (clients never see it); the server reports val_accuracy / val_loss beside the test metrics
+    val_fraction: float = Field(0.0, ge=0, lt=1)
     mnist1d_samples: int = Field(4000, gt=0)
     # files: an .npz (x_train, y_train, x_test, y_test, or x, y), a folder of parquet or CSV files
     # (train*/test* splits), or a folder written by datasets' save_to_disk

@@ -117,8 +117,10 @@ def client_setup_json(cfg: Config, fed: Any = None, task: Any = None) -> str:
     """What a client needs to build its task, data, model and trainer (sent with every task).
 
     The built-in task (``task`` None or named ``builtin``): the data, model and train sections and
-    the seed; with the server's ``FederatedData`` also the model's ``input_shape`` and
-    ``num_classes``, so a device with its own data builds the model without the federation's files.
+    the seed (``data.val_fraction`` among them when set: the client carves the same validation split
+    out of the training pool, so its partition is the server's); with the server's ``FederatedData``
+    also the model's ``input_shape`` and ``num_classes``, so a device with its own data builds the
+    model without the federation's files.
     A user task (:class:`fedasync.task.interface.Task`): its ``name``, source ``digest`` and
     ``args`` (never code: a device imports the module from its own environment and refuses a task
     whose digest differs, ``task_mismatch``), the folder it was imported from (``base_dir``, for
@@ -137,11 +139,14 @@ def client_setup_json(cfg: Config, fed: Any = None, task: Any = None) -> str:
             "train": cfg.train.model_dump(mode="json"),
         }, sort_keys=True)
     shape = {} if fed is None else {"input_shape": list(fed.input_shape), "num_classes": int(fed.num_classes)}
+    data = cfg.data.model_dump(mode="json")
+    if not data.get("val_fraction"):  # the default: the setup of before the key existed
+        data.pop("val_fraction", None)
     return json.dumps({
         **extra,
         **shape,
         "seed": cfg.seed,
-        "data": cfg.data.model_dump(mode="json"),
+        "data": data,
         "model": cfg.model.model_dump(mode="json"),
         "train": cfg.train.model_dump(mode="json"),
     }, sort_keys=True)

@@ -12,9 +12,12 @@ by :func:`fedasync.task.interface.builtin_task`; this module does not import the
   access); with ``data_path`` a device's own
   ``.npz`` (``data.normalize`` applied; its shape and labels checked against the model), and no test set;
 - ``load_centralized()``: the held-out test set;
+- ``load_validation()`` (only with ``data.val_fraction > 0``): the validation set carved out of the
+  training pool before partitioning (no client's partition holds any of it);
 - the default loss (cross-entropy) and metrics (loss, accuracy); no ``train`` override.
 
-Its ``digest`` is the sha256 of the data and model sections and the seed (what the task is made of).
+Its ``digest`` is the sha256 of the data and model sections and the seed (what the task is made of;
+``data.val_fraction`` counts only when set, so a run without it keeps the digest it had before the key).
 """
 
 from __future__ import annotations
@@ -50,6 +53,15 @@ class ArrayDataset(Dataset):
     def __getitem__(self, i: int):
         return (torch.from_numpy(np.array(self.x[i], dtype=np.float32, copy=True)),
                 torch.tensor(int(self.y[i]), dtype=torch.int64))
+
+
+def data_dump(data_cfg: Any) -> dict[str, Any]:
+    """``data_cfg`` as JSON-able dict; ``val_fraction`` left out when 0 (the default), so the setup a
+    client is sent and the task's digest are those of before the key existed."""
+    out = data_cfg.model_dump(mode="json")
+    if not out.get("val_fraction"):
+        out.pop("val_fraction", None)
+    return out
 
 
 def builtin_functions(data_cfg: Any, model_cfg: Any, seed: int, input_shape: tuple[int, ...] | None = None,
@@ -95,7 +107,12 @@ def builtin_functions(data_cfg: Any, model_cfg: Any, seed: int, input_shape: tup
         f = fed()
         return f.x_test, f.y_test
 
-    spec = {"data": data_cfg.model_dump(mode="json"), "model": model_cfg.model_dump(mode="json"), "seed": seed}
+    fns = {"model": model, "load_data": load_data, "load_centralized": load_centralized}
+    if getattr(data_cfg, "val_fraction", 0):
+        def load_validation():
+            f = fed()
+            return f.x_val, f.y_val
+        fns["load_validation"] = load_validation
+    spec = {"data": data_dump(data_cfg), "model": model_cfg.model_dump(mode="json"), "seed": seed}
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
-    return {"fns": {"model": model, "load_data": load_data, "load_centralized": load_centralized},
-            "digest": digest, "num_classes": int(num_classes) if num_classes is not None else None}
+    return {"fns": fns, "digest": digest, "num_classes": int(num_classes) if num_classes is not None else None}

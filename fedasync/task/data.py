@@ -10,7 +10,9 @@ Local data sets (no network):
 * ``hub``     - a Hugging Face data set through ``flwr_datasets.FederatedDataset`` (needs network).
 
 The held-out test set is the data set's own test split, else a stratified split of
-``cfg.test_fraction`` (seeded); the training data is split across ``cfg.num_clients`` clients by a
+``cfg.test_fraction`` (seeded); ``cfg.val_fraction > 0`` then carves a seeded stratified validation
+set out of the training pool (never the test set; ``FederatedData.x_val``/``y_val``, which no client
+gets); the rest of the training data is split across ``cfg.num_clients`` clients by a
 flwr-datasets partitioner (``IidPartitioner``, ``DirichletPartitioner``, ``ShardPartitioner`` or
 ``NaturalIdPartitioner``) run on an in-memory ``datasets.Dataset``.  Everything is a pure function
 of ``(cfg, seed)``: the same inputs give identical arrays in any process.  Results are cached per
@@ -45,6 +47,8 @@ class FederatedData:
     y_test: np.ndarray
     input_shape: tuple[int, ...]
     num_classes: int
+    x_val: np.ndarray | None = None  # data.val_fraction > 0: the server's validation set (no client's)
+    y_val: np.ndarray | None = None
 
     @property
     def num_clients(self) -> int:
@@ -227,8 +231,10 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def stratified_split(y: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Seeded stratified (train_idx, test_idx), both shuffled; ``ceil(test_fraction * n)`` test samples."""
+def stratified_split(y: np.ndarray, test_fraction: float, seed: int,
+                     key: str = "data.test_fraction") -> tuple[np.ndarray, np.ndarray]:
+    """Seeded stratified (train_idx, test_idx), both shuffled; ``ceil(test_fraction * n)`` test samples.
+    ``key`` names the setting in the error a split that cannot be stratified raises."""
     from sklearn.model_selection import train_test_split
 
     try:
@@ -236,7 +242,7 @@ def stratified_split(y: np.ndarray, test_fraction: float, seed: int) -> tuple[np
             np.arange(len(y)), test_size=test_fraction, random_state=seed, stratify=y, shuffle=True
         )
     except ValueError as err:
-        raise ValueError(f"data.test_fraction: cannot split {len(y)} samples stratified ({err})") from None
+        raise ValueError(f"{key}: cannot split {len(y)} samples stratified ({err})") from None
     return np.asarray(train_idx, dtype=np.int64), np.asarray(test_idx, dtype=np.int64)
 
 
@@ -273,6 +279,11 @@ def _split_and_partition(cfg: DataConfig, seed: int, x: np.ndarray, y: np.ndarra
     if cfg.test_samples is not None and cfg.test_samples < len(y_test):
         keep = np.sort(subsample_test(y_test, cfg.test_samples, num_classes, seed))
         x_test, y_test = x_test[keep], y_test[keep]
+    x_val = y_val = None
+    if cfg.val_fraction > 0:  # out of the training pool, before it is partitioned: no client holds these
+        train_idx, val_idx = stratified_split(y, cfg.val_fraction, val_seed(seed), key="data.val_fraction")
+        x, y, groups, x_val, y_val = (x[train_idx], y[train_idx], None if groups is None else groups[train_idx],
+                                      _readonly(x[val_idx]), _readonly(y[val_idx]))
     parts = partition_labels(cfg, seed, y, groups)
     empty = [i for i, p in enumerate(parts) if len(p) == 0]
     if empty:
@@ -284,7 +295,15 @@ def _split_and_partition(cfg: DataConfig, seed: int, x: np.ndarray, y: np.ndarra
         y_test=_readonly(y_test),
         input_shape=tuple(int(s) for s in x.shape[1:]),
         num_classes=num_classes,
+        x_val=x_val,
+        y_val=y_val,
     )
+
+
+def val_seed(seed: int) -> int:
+    """The seed of the validation split (``data.val_fraction``), derived from the run's seed so that
+    it is not the test split's."""
+    return int(np.random.SeedSequence([int(seed), 0x7A1]).generate_state(1)[0])
 
 
 def _hub_arrays(ds, cfg: DataConfig, feat, where: str) -> tuple[np.ndarray, np.ndarray]:
@@ -308,6 +327,9 @@ def _load_hub(cfg: DataConfig, seed: int) -> FederatedData:
 
     if not cfg.hub_name:
         raise ValueError("data.hub_name: needed when data.dataset is hub")
+    if cfg.val_fraction > 0:
+        raise ValueError("data.val_fraction: not available with data.dataset hub (flwr-datasets partitions the "
+                         "training split itself); save the data set to disk and use data.dataset files")
     try:
         from flwr_datasets import FederatedDataset
 
@@ -368,7 +390,8 @@ def _load_cached(cfg_json: str, seed: int) -> FederatedData:
     if cfg.normalize is None:
         return fd
     return replace(fd, partitions=[(_readonly(normalize(x, cfg.normalize)), y) for x, y in fd.partitions],
-                   x_test=_readonly(normalize(fd.x_test, cfg.normalize)))
+                   x_test=_readonly(normalize(fd.x_test, cfg.normalize)),
+                   x_val=None if fd.x_val is None else _readonly(normalize(fd.x_val, cfg.normalize)))
 
 
 def _load_source(cfg: DataConfig, seed: int) -> FederatedData:
@@ -408,6 +431,12 @@ def load_partition(cfg: DataConfig, seed: int, client_id: int) -> tuple[np.ndarr
 def load_test(cfg: DataConfig, seed: int) -> tuple[np.ndarray, np.ndarray]:
     fd = load_federated(cfg, seed)
     return fd.x_test, fd.y_test
+
+
+def load_validation(cfg: DataConfig, seed: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The server's validation set (``data.val_fraction > 0``), else None."""
+    fd = load_federated(cfg, seed)
+    return None if fd.x_val is None else (fd.x_val, fd.y_val)
 
 
 # -- deployment: a device's own file ---------------------------------------------------------

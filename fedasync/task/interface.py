@@ -8,6 +8,8 @@ A task is a module (or any object: a notebook's namespace, a class instance) wit
   ``torch.utils.data.Dataset`` or ``(x, y)`` arrays (wrapped as a ``TensorDataset``: floating
   arrays as float32, integer arrays as int64); a device's ``--data`` reaches it as ``data_path=``;
 - ``load_centralized(**task_args) -> Dataset | (x, y)`` (optional): the server's evaluation set;
+- ``load_validation(**task_args) -> Dataset | (x, y)`` (optional): the server's validation set (data
+  no client trains on); the server then reports every metric on it too, prefixed ``val_``;
 - ``loss(model, batch) -> Tensor`` (optional; default: cross-entropy of ``model(x)`` on ``(x, y)``
   batches). A batch is whatever ``default_collate`` makes of the Dataset's items;
 - ``evaluate(model, loader) -> dict[str, float]`` (optional; default ``{"loss", "accuracy"}``);
@@ -43,8 +45,9 @@ __all__ = ["TaskError", "Task", "load_task", "task_from_config", "init_params", 
            "batch_size_of", "to_device", "default_loss", "default_evaluate", "builtin_task", "remember", "known_task", "model_problems", "FUNCTIONS"]
 
 #: the functions a task may define; the first two are required
-FUNCTIONS = ("model", "load_data", "load_centralized", "loss", "evaluate", "train")
+FUNCTIONS = ("model", "load_data", "load_centralized", "loss", "evaluate", "train", "load_validation")
 _POSITIONAL = {"model": (), "load_data": ("partition_id", "num_partitions"), "load_centralized": (),
+               "load_validation": (),
                "loss": ("model", "batch"), "evaluate": ("model", "loader"),
                "train": ("model", "loader", "optimizer", "steps")}
 
@@ -249,11 +252,18 @@ class Task:
         return as_dataset(out[0], f"{where}(...)[0] (train)"), as_dataset(out[1], f"{where}(...)[1] (test)")
 
     def load_centralized(self) -> Dataset | None:
-        fn = self.fns.get("load_centralized")
+        return self._server_set("load_centralized")
+
+    def load_validation(self) -> Dataset | None:
+        """The task's validation set (``load_validation``), None when it defines none."""
+        return self._server_set("load_validation")
+
+    def _server_set(self, name: str) -> Dataset | None:
+        fn = self.fns.get(name)
         if fn is None:
             return None
-        ds = as_dataset(fn(**self.args), f"{self._where('load_centralized')}(...)")
-        check_nonempty(ds, f"{self._where('load_centralized')}(...)")
+        ds = as_dataset(fn(**self.args), f"{self._where(name)}(...)")
+        check_nonempty(ds, f"{self._where(name)}(...)")
         return ds
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
@@ -299,7 +309,7 @@ def _check_signature(name: str, fn_name: str, fn: Any, args: dict) -> None:
         return  # a builtin or C function: nothing to check
     pos = _POSITIONAL[fn_name]
     dummy = [None] * len(pos)
-    kw = dict(args) if fn_name in ("model", "load_data", "load_centralized") else {}
+    kw = dict(args) if fn_name in ("model", "load_data", "load_centralized", "load_validation") else {}
     try:
         sig.bind(*dummy, **kw)
     except TypeError as e:
