@@ -10,7 +10,7 @@ runs, one after the other:
    quickstart), central evaluation with ``evaluate_fn`` after every round, no client-side
    evaluation (``fraction_evaluate=0``: fedasync evaluates centrally too);
 3. fedasync's FedBuff and FedAsync (the quickstart's server settings), on the wall clock
-   (replies taken as they arrive, as in a deployment), evaluating every version.
+   (replies taken as they arrive, as in a deployment).
 
 Both sides use the same ClientApp code and data: this module's ClientApp hands a fedasync task
 straight to ``fedasync.clients.app.train``; a FedAvg message (``arrays`` + ``config``) is turned
@@ -20,8 +20,14 @@ task really lasts ``task_duration(client profile, steps, model size, seed, task 
 --time-scale`` seconds (training included): a slow client is as slow under FedAvg as under
 FedBuff.
 
-Time to target: wall seconds from the first training message a strategy pushes to the first
-central evaluation at or above ``server.target_accuracy`` (0.90); every run stops there.
+Time to target, the same rule on both sides: each side's model is read on one grid of wall
+seconds since its server started (``--eval-every``, default ``server.eval_every_s`` x
+``--time-scale``, i.e. the quickstart's grid of virtual seconds); the time to target is the first
+grid time from which the accuracy is at or above ``server.target_accuracy`` (0.90) for
+``server.target_hold`` grid times in a row (``fedasync.server.evaluation.time_to_target``), and each
+run stops once it has held. fedasync's server evaluates on that grid itself (the model current at
+each grid time); Flower's FedAvg evaluates every round's model, and its value at a grid time is the
+one of the last round finished by then (the same step function).
 
 Flower's engine runs its actors' messages on a ``ThreadPoolExecutor()`` whose default size is
 ``min(32, cpus + 4)`` (6 on a 2-core machine): with 20 actors only 6 tasks would sleep at a
@@ -102,34 +108,42 @@ def train(msg: Message, context: Context) -> Message:
 # -- the server side ---------------------------------------------------------------------
 
 
-class Timeline:
-    """Wall times of one run: first dispatch, every evaluation."""
+class Curve:
+    """One run on the grid: rows like a server's history (``virtual_time_s``: the grid time, wall
+    seconds since the server started) and the time to target by fedasync's one rule."""
 
-    def __init__(self, target: float):
-        self.target = target
-        self.first_dispatch: float | None = None
-        self.evals: list[tuple[float, float]] = []  # (wall s since first dispatch, accuracy)
+    def __init__(self, target: float, hold: int, every_s: float):
+        from fedasync.server.evaluation import accuracy_goal
+
+        self.goal, self.hold, self.every_s = accuracy_goal(target), hold, every_s
+        self.rounds: list[tuple[float, float]] = []  # Flower: (s since start, accuracy) of each round's model
+        self.rows: list[dict] = []
         self.reached: float | None = None
 
-    def dispatched(self) -> None:
-        if self.first_dispatch is None:
-            self.first_dispatch = time.perf_counter()
+    def flower_round(self, t: float, acc: float) -> bool:
+        """Round model ``acc`` available at ``t``: the grid rows up to ``t``; whether the target held."""
+        from fedasync.server.evaluation import grid_value, time_to_target
 
-    def evaluated(self, acc: float | None) -> bool:
-        if acc is None:
-            return False
-        t = 0.0 if self.first_dispatch is None else time.perf_counter() - self.first_dispatch
-        self.evals.append((round(t, 3), float(acc)))
-        if self.reached is None and acc >= self.target:
-            self.reached = t
+        self.rounds.append((t, float(acc)))
+        grid = [k * self.every_s for k in range(int(t / self.every_s) + 1)]
+        values = grid_value([r[0] for r in self.rounds], [r[1] for r in self.rounds], grid)
+        self.rows = [{"virtual_time_s": round(g, 6), "accuracy": v} for g, v in zip(grid, values) if v is not None]
+        self.reached = time_to_target(self.rows, self.goal, self.hold)
         return self.reached is not None
+
+    def fedasync_history(self, history: list[dict]) -> None:
+        """A fedasync run's own history (evaluated on the grid by its server)."""
+        from fedasync.server.evaluation import time_to_target
+
+        self.rows = [{"virtual_time_s": h["virtual_time_s"], "accuracy": h.get("accuracy")} for h in history]
+        self.reached = time_to_target(self.rows, self.goal, self.hold)
 
 
 class TargetReached(Exception):
-    """Ends Flower's start() loop at the first evaluation at or above the target."""
+    """Ends Flower's start() loop once the target has held on the grid."""
 
 
-def _flower(grid: Grid, cfg: Config, tl: Timeline, max_wall_s: float, time_scale: float) -> dict:
+def _flower(grid: Grid, cfg: Config, tl: Curve, max_wall_s: float, time_scale: float) -> dict:
     from flwr.serverapp.strategy import FedAvg
 
     from fedasync.server.transport import client_setup_json
@@ -149,18 +163,18 @@ def _flower(grid: Grid, cfg: Config, tl: Timeline, max_wall_s: float, time_scale
     rounds = {"n": 0}
 
     class TimedFedAvg(FedAvg):
-        """Flower's FedAvg; only notes when its first training messages go out."""
+        """Flower's FedAvg; only counts its rounds."""
 
         def configure_train(self, server_round, arrays, config, grid):
             msgs = list(super().configure_train(server_round, arrays, config, grid))
-            tl.dispatched()
             rounds["n"] = server_round
             return msgs
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        t = 0.0 if server_round == 0 else time.perf_counter() - t_start  # the round's model exists from t
         set_params(model, {k: arrays[k].numpy() for k in arrays.keys()})
         loss, acc = evaluate(model, x_test, y_test)
-        if server_round > 0 and tl.evaluated(acc):
+        if tl.flower_round(t, acc):
             raise TargetReached
         if time.perf_counter() - t_start > max_wall_s:
             raise TargetReached  # out of time: reported as not reached
@@ -176,31 +190,19 @@ def _flower(grid: Grid, cfg: Config, tl: Timeline, max_wall_s: float, time_scale
     return {"rounds": rounds["n"], "updates": rounds["n"] * int(cfg.server.concurrency)}
 
 
-def _fedasync(grid: Grid, cfg: Config, tl: Timeline, workdir: Path) -> dict:
+def _fedasync(grid: Grid, cfg: Config, tl: Curve, workdir: Path) -> dict:
     from fedasync.server.app import GridTransport
     from fedasync.server.control import open_messages
     from fedasync.server.loop import AsyncServer
     from fedasync.store import Store
 
-    class TimedTransport(GridTransport):
-        def send(self, tasks):
-            tl.dispatched()
-            return super().send(tasks)
-
-    transport = TimedTransport(grid)
+    transport = GridTransport(grid)
     nodes = transport.node_ids()
     store = Store(f"sqlite:///{workdir / (cfg.server.strategy + '.db')}")
 
-    seen = {"version": 0}
-
-    def progress(ev: dict) -> None:  # after every reply; an evaluation is new with its version
-        if ev["version"] > seen["version"] and ev.get("accuracy") is not None:
-            seen["version"] = ev["version"]
-            tl.evaluated(ev["accuracy"])
-
-    server = AsyncServer(cfg, transport, store, clock="wall", progress=progress,
-                         node_for_client=lambda c: nodes[c % len(nodes)])
-    summary = server.run()
+    server = AsyncServer(cfg, transport, store, clock="wall", node_for_client=lambda c: nodes[c % len(nodes)])
+    summary = server.run()  # evaluated on the wall grid, stopped once the target held (server.stop_at_target)
+    tl.fedasync_history(summary["history"])
     store.close()
     # the tasks it left in flight: their replies pulled (Flower would keep them, and its engine walks
     # every stored message for every node: the next run would be slower), waiting as long as a task
@@ -246,6 +248,8 @@ def main() -> None:
     ap.add_argument("--worker-niceness", type=int, default=0,
                     help="niceness of the Ray actors, both sides (Ray's default 15 starves them on a busy machine)")
     ap.add_argument("--max-wall", type=float, default=2400.0, help="give up on a run after this many seconds")
+    ap.add_argument("--eval-every", type=float, default=None,
+                    help="the grid, wall seconds (default: server.eval_every_s x --time-scale), both sides")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="config override (repeatable)")
     ap.add_argument("--verbose", action="store_true", help="Flower's and Ray's logs")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/wall_clock_vs_flower.json"))
@@ -258,9 +262,11 @@ def main() -> None:
     common = ["clock.emulate=true", f"clock.time_scale={args.time_scale}",
               "server.max_virtual_time=null", "server.max_versions=null",
               "server.stop_at_target=true", f"server.max_wall_time={args.max_wall}",
-              "server.eval_every=1", f"simulation.num_actors={args.actors}", *args.sets]
+              f"simulation.num_actors={args.actors}", *args.sets]
     base = load_config(args.config, common)
-    target = base.server.target_accuracy or 0.9
+    every = args.eval_every or (base.server.eval_every_s or 2.0) * args.time_scale
+    common.append(f"server.eval_every_s={every}")  # fedasync's wall clock: wall seconds since the start
+    target, hold = base.server.target_accuracy or 0.9, base.server.target_hold
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     if args.pool == "per-actor":  # both sides: the engine's executor gets one thread per actor
         import flwr.server.superlink.fleet.vce.vce_api as vce
@@ -274,6 +280,7 @@ def main() -> None:
                     "actors": args.actors, "pool": args.pool, "worker_niceness": args.worker_niceness,
                     "num_clients": base.data.num_clients,
                     "concurrency": base.server.concurrency, "target_accuracy": target,
+                    "eval_every_wall_s": every, "target_hold": hold,
                     "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                 "loadavg_before": load0},
                     "runs": {}}
@@ -294,7 +301,7 @@ def main() -> None:
         save()
         with tempfile.TemporaryDirectory() as d:
             for name in runs:
-                tl = Timeline(target)
+                tl = Curve(target, hold, every)
                 t0 = time.perf_counter()
                 print(f"[{time.strftime('%H:%M:%S')}] {name} ...", flush=True)
                 if name == "flower-fedavg":
@@ -307,9 +314,10 @@ def main() -> None:
                     info = _fedasync(grid, cfg, tl, Path(d))  # (its leftover tasks drained)
                 result["runs"][name] = {
                     "time_to_target_s": None if tl.reached is None else round(tl.reached, 2),
-                    "wall_s": round(time.perf_counter() - t0, 2), "evaluations": len(tl.evals),
-                    "best_accuracy": max((a for _, a in tl.evals), default=None),
-                    "loadavg_after": os.getloadavg(), **info, "curve": tl.evals}
+                    "wall_s": round(time.perf_counter() - t0, 2), "evaluations": len(tl.rows),
+                    "best_accuracy": max((r["accuracy"] for r in tl.rows if r["accuracy"] is not None), default=None),
+                    "loadavg_after": os.getloadavg(), **info,
+                    "curve": [(r["virtual_time_s"], r["accuracy"]) for r in tl.rows]}
                 print(f"  {name}: {result['runs'][name]['time_to_target_s']} s to {target:.0%}", flush=True)
                 save()
         base_t = result["runs"].get("flower-fedavg", {}).get("time_to_target_s")

@@ -169,7 +169,9 @@ class ServerConfig(_Section):
     delay_compensation: DelayCompensationConfig = DelayCompensationConfig()
     robust: RobustConfig = RobustConfig()
     max_staleness: int | None = Field(None, ge=0)
-    eval_every: int = Field(5, gt=0)
+    eval_every_s: float | None = Field(2.0, gt=0, allow_inf_nan=False)  # the evaluation grid, virtual s (null: eval_every)
+    eval_every: int = Field(5, gt=0)  # versions, when eval_every_s is null (given alone, it makes eval_every_s null)
+    target_hold: int = Field(3, ge=1)  # time to target: the first of target_hold evaluations in a row at the target
     # the model the server evaluates and reports: the mean of its last average_last versions
     # (Polyak-Ruppert tail averaging: smooths the noise of local DP and of asynchrony at no cost in
     # epsilon, it is post-processing); clients always train from the latest version. 1: the latest
@@ -188,8 +190,15 @@ class ServerConfig(_Section):
     # stop (stop_reason no_progress) after this many taken replies in a row with none accepted; 0/null: never
     max_rejected_in_a_row: int | None = Field(1000, ge=0)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _eval_cadence(cls, d: Any) -> Any:  # eval_every alone: every eval_every versions (eval_every_s null)
+        return {**d, "eval_every_s": d.get("eval_every_s")} if isinstance(d, dict) and "eval_every" in d else d
+
     @model_validator(mode="after")
     def _one_target(self) -> "ServerConfig":
+        if self.eval_every_s is not None and self.eval_every != 5:
+            raise ValueError("eval_every_s: eval_every is given too: give one (null: every eval_every versions)")
         if self.target is not None and self.target_accuracy is not None:
             raise ValueError("target and target_accuracy both given: give one (target_accuracy: v means "
                              "target: {metric: accuracy, value: v, mode: max})")

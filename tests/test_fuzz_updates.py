@@ -76,7 +76,7 @@ def _run(tmp_path, cfg, mutate, transport=RawTransport):
     store = Store(f"sqlite:///{tmp_path / 'fuzz.db'}")
     try:
         server = AsyncServer(cfg, transport(fn), store)
-        server._evaluate = lambda: None
+        server.evals.record = lambda at: None
         summary = server.run()
         ups = {u.task_id: u for u in store.updates(summary["run_id"])}
         shas = [v.sha256 for v in store.versions(summary["run_id"])]

@@ -71,7 +71,7 @@ def _finite(params) -> bool:
 def _run(db, cfg, fn, **kw):
     store = Store(f"sqlite:///{db}")
     server = AsyncServer(cfg, LocalTransport(fn), store, **kw)
-    server._evaluate = lambda: None
+    server.evals.record = lambda at: None
     return server, server.run(), store
 
 
@@ -125,7 +125,7 @@ def test_a_non_finite_model_is_never_committed_under_every_strategy(tmp_path, st
     cfg = _cfg(strategy)
     store = Store(f"sqlite:///{tmp_path / 's.db'}")
     server = AsyncServer(cfg, LocalTransport(handler(reply=honest)), store)
-    server._evaluate = lambda: None
+    server.evals.record = lambda at: None
     _inf_when(server)
     summary = server.run()
     assert _finite(server.params)
@@ -237,7 +237,7 @@ def test_a_resumed_run_drops_the_same_aggregation_and_ends_the_same(tmp_path, n,
     store = Store(f"sqlite:///{db}")
     _crash_on(store, n, before)
     server = AsyncServer(cfg, LocalTransport(handler()), store)
-    server._evaluate = lambda: None
+    server.evals.record = lambda at: None
     with pytest.raises(Crash):
         server.run()
     _, summary, store2 = _run(db, cfg, handler(), resume_run_id=server.run_id)
@@ -258,7 +258,7 @@ def test_the_count_of_rejections_in_a_row_survives_a_resume(tmp_path, strategy, 
     store = Store(f"sqlite:///{db}")
     _crash_on(store, crash, False)  # after the 2nd or 3rd bad reply
     server = AsyncServer(cfg, LocalTransport(fn), store)
-    server._evaluate = lambda: None
+    server.evals.record = lambda at: None
     with pytest.raises(Crash):
         server.run()
     _, summary, _ = _run(db, cfg, fn, resume_run_id=server.run_id)

@@ -52,7 +52,7 @@ def signed(params, config):
 def _server(db, fn, cfg=None, **kw):
     store = Store(f"sqlite:///{db}")
     server = AsyncServer(cfg or _cfg(), LocalTransport(fn), store, public_keys=PUBLIC, **kw)
-    server._evaluate = lambda: None
+    server.evals.record = lambda at: None
     return server, store
 
 

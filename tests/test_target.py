@@ -20,8 +20,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _dict(*extra: str) -> dict:
-    """The small scenario without the quickstart's target_accuracy (a test sets its own target)."""
-    return small_config("server.target_accuracy=null", *extra).model_dump(mode="json")
+    """The small scenario without the quickstart's target_accuracy (a test sets its own target),
+    reached at the first evaluation at the target (target_hold 1: tests/test_eval_grid.py holds it longer)."""
+    return small_config("server.target_accuracy=null", "server.target_hold=1", *extra).model_dump(mode="json")
 
 
 def test_target_mode_min_on_a_loss_stops_there(tmp_path):

@@ -29,9 +29,11 @@ Semantics (see docs in README "How the asynchronous loop works"):
   to the first new tasks' clients. SIGINT/SIGTERM stop after the reply being handled (a second
   at once); in deployment, so does a store status of ``stopping`` (``fedasync server``'s Ctrl-C).
 * Each taken reply is validated, handed to the strategy and recorded in one transaction with
-  the model version it produced. Evaluation: every ``eval_every`` versions and at the end; its
-  metrics are the task's (every one in the history and the store); ``server.target`` (any metric,
-  ``max`` or ``min``; ``target_accuracy`` its alias) sets the time to target.
+  the model version it produced. Evaluation (``evaluation.py``): on a grid of times
+  (``server.eval_every_s``; or every ``eval_every`` versions) and at the end; its metrics are the
+  task's (every one in the history and the store); ``server.target`` (any metric, ``max`` or
+  ``min``; ``target_accuracy`` its alias) held ``server.target_hold`` evaluations in a row sets the
+  time to target.
 * **Liveness** (``progress.py``): a new version that is not finite is never committed (the updates
   that made it are rejected ``non_finite_model``); ``server.max_rejected_in_a_row`` rejected
   replies in a row stop the run (``no_progress``).
@@ -46,11 +48,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fedasync.assembly import RunParts, assemble, reached
+from fedasync.assembly import RunParts, assemble
 from fedasync.config import Config
 from fedasync.server import progress, resume
 from fedasync.server.clock import VirtualClock, WallClock, task_duration
 from fedasync.server.control import ROUND_CLOSED, StopControl, cancel_dropped, no_task_reason
+from fedasync.server.evaluation import Evaluations
 from fedasync.server.records import Digests, replay_row, update_row
 from fedasync.server.idle import IdleClients
 from fedasync.server.params import Tail, one_blas_thread
@@ -131,6 +134,7 @@ class AsyncServer:
 
         self._strategy_snapshot = self.strategy.state_dict()
         self._scheduler_snap: dict | None = None  # resume.loop_state's last scheduler snapshot (id, sizes)
+        self.evals = Evaluations(self)  # when the model is evaluated; the history; the time to target
         if resume_run_id is None:
             self.params = parts.initial_params()
             self.version = 0
@@ -169,9 +173,7 @@ class AsyncServer:
         if self._resend:
             self._send_and_record(*resume.resend_tasks(self), loop_state=None)
             cancel_dropped(self)  # backups of a closed round resent for their DP spend (resume.restore)
-        if self.version % self.cfg.server.eval_every == 0 and (
-                not self.history or self.history[-1]["version"] != self.version):
-            self._evaluate()  # v0, or a resumed run killed between a version and its evaluation
+        self.evals.start()  # v0, or a resumed run killed between a version and its evaluation
         self._emit()
         try:
             if self.virtual and self.live and self._next_events()[0] <= self.clock.now:
@@ -204,7 +206,12 @@ class AsyncServer:
     def _step_virtual(self) -> None:
         tmin, due = self._next_events()
         limit = self.cfg.server.max_virtual_time
-        if limit is not None and tmin > limit:
+        over = limit is not None and tmin > limit
+        at_target = self.evals.until(limit if over else tmin, inclusive=over)  # the grid times passed
+        if at_target is not None:  # server.stop_at_target: held long enough at grid time at_target
+            self.clock.advance_to(at_target)
+            return
+        if over:
             self.clock.advance_to(limit)
             self.stop_reason = "max_virtual_time"
             return
@@ -219,6 +226,8 @@ class AsyncServer:
                 self._handle(t, self.arrived[t.task_id])
 
     def _step_wall(self) -> None:
+        if self.evals.until(self.clock.now, inclusive=True) is not None:
+            return  # server.stop_at_target: _should_stop ends the run
         self._refresh()
         self._poll()
         now = self.clock.now
@@ -237,8 +246,7 @@ class AsyncServer:
                 return
 
     def _finish(self, status: str) -> dict:
-        if not self.history or self.history[-1]["version"] != self.version:
-            self._evaluate()
+        self.evals.finish()
         self.store.mark_in_flight(self.run_id, "cancelled", drop_params=self.retention.release_for(self))
         summary = self.summary()
         self.store.set_run_status(self.run_id, status, self.stop_reason, summary)
@@ -480,8 +488,7 @@ class AsyncServer:
             self.retention.stored(self.version)  # (retention keeps nothing without save_parameters)
             cancel_dropped(self)
             self._prune_cache()
-            if self.version % self.cfg.server.eval_every == 0:
-                self._evaluate()
+            self.evals.on_version()
 
     def _new_version(self, new: Params) -> dict:
         """Make ``new`` the global model; the ``model_versions`` row to record."""
@@ -501,17 +508,7 @@ class AsyncServer:
             if v not in keep:
                 del self.base_cache[v]
 
-    # -- evaluation and progress -------------------------------------------------------
-    def _evaluate(self) -> None:
-        metrics = self.evaluator(self.tail.mean())  # the task's metrics (TargetError: no target metric)
-        if self.history and self.history[-1]["version"] == self.version:
-            return
-        self.history.append({"version": self.version, "virtual_time_s": round(self.clock.now, 6), **metrics})
-        self.store.record_eval(self.run_id, self.version, metrics.get("accuracy"), metrics.get("loss"),
-                               metrics=metrics)
-        if self.target is not None and self.time_to_target is None and reached(self.target, metrics):
-            self.time_to_target = self.clock.now
-
+    # -- progress ----------------------------------------------------------------------
     def _emit(self) -> None:
         self.progress(progress_event(self))
 

@@ -16,7 +16,6 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
-from fedasync.assembly import reached
 from fedasync.config import Config
 from fedasync.server.clock import WallClock
 from fedasync.server.control import ROUND_CLOSED, backups_spend
@@ -73,7 +72,7 @@ def loop_state(srv: AsyncServer) -> LoopState:
         "policy": srv.policy.state_dict(),
         "virtual_time": srv.clock.now,
         "exhausted": sorted(srv.exhausted),
-        "time_to_target": srv.time_to_target,
+        "time_to_target": srv.time_to_target,  # (a resume derives it, and the grid position, from the evaluations)
         "liveness": srv.liveness.state_dict(),  # progress.py: the replies since one was accepted
     }))
     out.scheduler_state = text
@@ -126,7 +125,6 @@ def restore(srv: AsyncServer, run_id: int) -> None:
         srv.scheduler.load_state_dict(scheduler_state(state["scheduler"], run.scheduler_state))
         srv.policy.load_state_dict(state.get("policy"), lambda v: store.load_version(run_id, v)[1])
         srv.exhausted = set(state["exhausted"])
-        srv.time_to_target = state["time_to_target"]
         if srv.virtual:
             srv.clock.advance_to(state["virtual_time"])
         else:
@@ -167,17 +165,27 @@ def restore(srv: AsyncServer, run_id: int) -> None:
             srv.exhausted.add(row.client_id)
     sync_counts(srv)
     srv.liveness.load_state_dict((state or {}).get("liveness"), srv.received)  # (written before: None)
-    for v in store.versions(run_id):  # each evaluation: its metrics (a row written before 0007: accuracy, loss)
-        metrics = json.loads(v.metrics) if v.metrics else (
-            {"accuracy": v.accuracy, "loss": v.loss} if v.accuracy is not None else None)
-        if metrics:
-            srv.history.append({"version": v.version, "virtual_time_s": round(v.created_virtual, 6), **metrics})
-    target = srv.target
-    if target is not None and srv.time_to_target is None:  # killed before a loop state held it
-        srv.time_to_target = next((h["virtual_time_s"] for h in srv.history
-                                   if target.metric in h and reached(target, h)), None)
+    times = _load_history(srv)
+    srv.evals.restore(times)  # the grid position and the time to target, from the stored evaluations
     store.set_run_status(run_id, "running")
     log.info("resumed run %d at version %d (%d in-flight tasks re-dispatched)", run_id, srv.version, len(pending))
+
+
+def _load_history(srv: AsyncServer) -> list[float]:
+    """``srv.history`` from the store's ``evaluations`` (a run made before 0008: one row per evaluated
+    version of ``model_versions``, before 0007 from its accuracy and loss); the rows' exact times."""
+    rows = srv.store.evaluations(srv.run_id)
+    if rows:
+        found = [(e.version, e.virtual_time, e.metrics, e.accuracy, e.loss) for e in rows]
+    else:
+        found = [(v.version, v.created_virtual, v.metrics, v.accuracy, v.loss) for v in srv.store.versions(srv.run_id)]
+    srv.history, times = [], []
+    for version, t, text, acc, loss in found:
+        metrics = json.loads(text) if text else ({"accuracy": acc, "loss": loss} if acc is not None else None)
+        if metrics:
+            srv.history.append({"version": version, "virtual_time_s": round(t, 6), **metrics})
+            times.append(t)
+    return times
 
 
 def _load_tail(srv: AsyncServer) -> None:
@@ -197,6 +205,7 @@ def stopped_abruptly(srv: AsyncServer) -> None:
     if stored != srv.version and srv.cfg.store.save_parameters:
         srv.version, srv.params = srv.store.load_version(srv.run_id)
         srv.history = [h for h in srv.history if h["version"] <= srv.version]
+        srv.evals.restore([h["virtual_time_s"] for h in srv.history])
         _load_tail(srv)
 
 
@@ -247,7 +256,8 @@ def check_resume_config(stored_yaml: str, cfg: Config) -> str | None:
 
     may_change = {("server", k) for k in ("max_versions", "max_virtual_time", "max_wall_time",
                                            "target_accuracy", "target", "stop_at_target", "task_timeout", "late_policy",
-                                           "poll_interval", "eval_every", "max_rejected_in_a_row")} | {("store",), ("deploy",), ("name",), ("tracking",),
+                                           "poll_interval", "eval_every", "eval_every_s", "target_hold",
+                                           "max_rejected_in_a_row")} | {("store",), ("deploy",), ("name",), ("tracking",),
                                                                                ("simulation",)}
     from fedasync.config import ConfigError, config_from_dict
 

@@ -66,7 +66,10 @@ def build_summary(srv: AsyncServer) -> dict:
         "final_metrics": metrics_of(srv.history[-1]) if srv.history else {},
         "target": goal.model_dump() if goal is not None else None,
         "target_accuracy": cfg.server.target_accuracy,
+        # the first evaluation from which the target held target_hold evaluations in a row (evaluation.py)
         "time_to_target_s": None if srv.time_to_target is None else round(srv.time_to_target, 6),
+        "target_hold": cfg.server.target_hold,
+        "eval_every_s": cfg.server.eval_every_s,  # the evaluation grid (None: every eval_every versions)
         "staleness": {
             "mean": float(np.mean(st)) if st else None,
             "p50": percentile(st, 50), "p95": percentile(st, 95),

@@ -124,7 +124,25 @@ class ModelVersion(Base):
     created_wall: Mapped[float] = mapped_column(Float)
     accuracy: Mapped[float | None] = mapped_column(Float, nullable=True)
     loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # the version's latest evaluation (every one, with its time, is a row of ``evaluations``)
     metrics: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON: every metric of the evaluation
+
+
+class Evaluation(Base):
+    """One row of a run's history: the model current at ``virtual_time`` (version ``version``)
+    evaluated on the server's evaluation set. Several rows may share a version (the evaluation
+    grid, ``server.eval_every_s``, records one per grid time). Added by migration 0008."""
+
+    __tablename__ = "evaluations"
+    __table_args__ = (Index("ix_evaluations_run", "run_id"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    version: Mapped[int] = mapped_column(Integer)
+    virtual_time: Mapped[float] = mapped_column(Float)  # the grid time (or the run's time: eval_every, the end)
+    accuracy: Mapped[float | None] = mapped_column(Float, nullable=True)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    metrics: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON: every metric of the evaluation
+    recorded_wall: Mapped[float] = mapped_column(Float)
 
 
 class PrivacySpend(Base):

@@ -30,8 +30,8 @@ from fedasync.store.retry import retrying_transactions
 Params = dict[str, np.ndarray]
 
 # tables of the hot path (Core statements)
-_RUN, _C, _D, _U, _MV, _PS = (m.__table__ for m in (S.Run, S.Client, S.Dispatch, S.Update, S.ModelVersion,
-                                                   S.PrivacySpend))
+_RUN, _C, _D, _U, _MV, _PS, _EV = (m.__table__ for m in (S.Run, S.Client, S.Dispatch, S.Update, S.ModelVersion,
+                                                        S.PrivacySpend, S.Evaluation))
 _B = bindparam
 _SET_DISPATCH = update(_D).where(_D.c.run_id == _B("b_run"), _D.c.task_id == _B("b_task")) \
     .values(status=_B("b_status"), error=_B("b_error"), done_wall=_B("b_now"))
@@ -205,14 +205,27 @@ class Store:
                                   .order_by(S.ModelVersion.version)))
 
     def record_eval(self, run_id: int, version: int, accuracy: float | None, loss: float | None,
-                    metrics: dict[str, float] | None = None) -> None:
-        """Version ``version``'s evaluation: ``accuracy`` and ``loss`` (None: the task has no such
-        metric) and every metric the task reported (``metrics``, JSON)."""
-        import json
-
+                    metrics: dict[str, float] | None = None, virtual_time: float | None = None) -> None:
+        """An evaluation of version ``version``, standing for virtual time ``virtual_time`` (None:
+        the version's own time): ``accuracy`` and ``loss`` (None: the task has no such metric) and
+        every metric the task reported (``metrics``, JSON). One ``evaluations`` row each; the
+        version's row keeps its latest."""
         text = None if metrics is None else json.dumps(metrics, allow_nan=True)
-        self._write(lambda c: c.execute(update(_MV).where(_MV.c.run_id == run_id, _MV.c.version == version)
-                                        .values(accuracy=accuracy, loss=loss, metrics=text)))
+
+        def op(c: Connection) -> None:
+            c.execute(update(_MV).where(_MV.c.run_id == run_id, _MV.c.version == version)
+                      .values(accuracy=accuracy, loss=loss, metrics=text))
+            t = virtual_time if virtual_time is not None else c.execute(
+                select(_MV.c.created_virtual).where(_MV.c.run_id == run_id, _MV.c.version == version)).scalar()
+            c.execute(insert(_EV).values(run_id=run_id, version=version, virtual_time=t or 0.0, accuracy=accuracy,
+                                         loss=loss, metrics=text, recorded_wall=time.time()))
+        self._write(op)
+
+    def evaluations(self, run_id: int) -> list[S.Evaluation]:
+        """Run ``run_id``'s evaluations in the order they were recorded (its history)."""
+        with self.session() as s:
+            return list(s.scalars(select(S.Evaluation).where(S.Evaluation.run_id == run_id)
+                                  .order_by(S.Evaluation.id)))
 
     # -- dispatches and replies (SQLAlchemy Core: the loop's hot path) -----------------
     @contextmanager
