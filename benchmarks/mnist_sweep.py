@@ -1,5 +1,11 @@
 """FedBuff's server settings on the MNIST scenario: virtual seconds to 97 % per variant.
 
+SUPERSEDED by ``benchmarks/tune.py`` (issue 34): this sweep tunes FedBuff alone, on the same seed
+and test subset it reports on. ``tune.py`` gives every strategy the same budget, scores on a
+validation split (``data.val_fraction``) with tuning seeds and reports on test with other seeds
+(``docs/howto/tuning.md``). This script is kept only to regenerate its own old file and says so
+when run.
+
 Each variant is ``benchmarks/mnist.py --runs fedbuff_lr1_uniform --horizon H --set
 server.stop_at_target=true`` (FedBuff as ``examples/mnist.yaml`` sets it) with the variant's own
 ``--set`` overrides (server keys only: the clients, data and clock stay the scenario's, as for
@@ -114,6 +120,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "mnist_fedbuff_sweep.json")
     ap.add_argument("--table", action="store_true")
     args = ap.parse_args()
+    print("mnist_sweep: superseded by benchmarks/tune.py (tunes on the test subset it reports on; see "
+          "docs/howto/tuning.md)", file=sys.stderr)
     if args.table:
         print(table(json.loads(args.out.read_text())))
         return 0
