@@ -163,6 +163,7 @@ def _run_configs(configs: list[tuple[str, Config]], out_dirs: dict[str, Path], b
     from fedasync.server.loop import AsyncServer
     from fedasync.server.transport import LocalTransport
     from fedasync.store import Store, default_sqlite_url
+    from fedasync.tracking.live import LiveTracking, abandon_live
 
     def make_store(label: str, cfg: Config) -> Store:
         private_dir(out_dirs[label])
@@ -182,15 +183,25 @@ def _run_configs(configs: list[tuple[str, Config]], out_dirs: dict[str, Path], b
             on_parts(label, parts)
         return parts
 
+    def live(label: str, cfg: Config, source: Callable[[], Any]) -> LiveTracking:
+        """The run's progress callback (``progress``'s, if any) that also logs its records as it runs."""
+        return LiveTracking(out_dirs[label], cfg, inner=progress(label, cfg) if progress else None, source=source,
+                            root=track_root, label=label, resume=resume is not None and label == configs[0][0])
+
     if backend == "local":
-        for label, cfg in configs:
-            parts = make_parts(label, cfg, resume is not None)
-            server = AsyncServer(cfg, LocalTransport(), make_store(label, cfg), clock="virtual",
-                                 progress=progress(label, cfg) if progress else None, resume_run_id=resume,
-                                 parts=parts)
-            on_result(label, cfg, server.run())
-            if summaries[label]["stop_reason"] == "interrupted":  # Ctrl-C stops the command, not one run
-                break
+        try:
+            for label, cfg in configs:
+                parts = make_parts(label, cfg, resume is not None)
+                made: list[AsyncServer] = []
+                server = AsyncServer(cfg, LocalTransport(), make_store(label, cfg), clock="virtual",
+                                     progress=live(label, cfg, lambda made=made: made[0] if made else None),
+                                     resume_run_id=resume, parts=parts)
+                made.append(server)
+                on_result(label, cfg, server.run())
+                if summaries[label]["stop_reason"] == "interrupted":  # Ctrl-C stops the command, not one run
+                    break
+        finally:  # a run that failed: its live tracker's files closed as they stand
+            abandon_live(out_dirs.values())
         return summaries
     from flwr.simulation import run_simulation
 
@@ -199,7 +210,8 @@ def _run_configs(configs: list[tuple[str, Config]], out_dirs: dict[str, Path], b
 
     first = configs[0][1]
     n_nodes = first.simulation.num_supernodes or first.data.num_clients
-    job = Job(configs=configs, make_store=make_store, on_result=on_result, progress=progress,
+    job = Job(configs=configs, make_store=make_store, on_result=on_result,
+              progress=lambda label, cfg: live(label, cfg, lambda: job.server),
               expected_nodes=n_nodes, resume_run_id=resume, make_parts=make_parts)
     try:
         with _signals_to(job):
@@ -213,6 +225,8 @@ def _run_configs(configs: list[tuple[str, Config]], out_dirs: dict[str, Path], b
         while cause.__cause__ is not None:
             cause = cause.__cause__
         raise EngineError(f"Flower's simulation engine failed: {type(cause).__name__}: {cause}") from e
+    finally:
+        abandon_live(out_dirs.values())
     if job.error is not None:
         if isinstance(job.error, KeyboardInterrupt):
             raise job.error

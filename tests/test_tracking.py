@@ -50,8 +50,9 @@ def test_metrics_jsonl_is_written_beside_history_and_equals_it(tmp_path):
     r = _run(tmp_path)
     hist, lines = _history(r.run_dir), _jsonl(r.run_dir)
     assert len(lines) == len(hist) > 2
-    for row, line in zip(hist, lines):
-        assert line["step"] == row["version"] and line["virtual_time_s"] == pytest.approx(row["virtual_time_s"])
+    for i, (row, line) in enumerate(zip(hist, lines)):  # step: the evaluation's index; the version its own key
+        assert line["step"] == i and line["async/version"] == row["version"]
+        assert line["virtual_time_s"] == pytest.approx(row["virtual_time_s"])
         for k, v in row.items():
             if k not in ("version", "virtual_time_s"):
                 assert line[f"eval/{k}"] == pytest.approx(v, rel=1e-12)
@@ -77,14 +78,15 @@ def test_tensorboard_events_read_back_match_history(tmp_path):
         assert tag in tags["scalars"], tag
     assert "privacy/epsilon_clients" in tags["histograms"]
     ev = acc.Scalars("eval/accuracy")
-    assert [e.step for e in ev] == [int(h["version"]) for h in hist]
+    assert [e.step for e in ev] == list(range(len(hist)))
+    assert [e.value for e in acc.Scalars("async/version")] == [h["version"] for h in hist]
     assert [e.value for e in ev] == pytest.approx([h["accuracy"] for h in hist], rel=1e-6)
     assert [e.wall_time for e in ev] == pytest.approx([h["virtual_time_s"] for h in hist])  # the virtual time
     eps = acc.Scalars("privacy/epsilon_max")
     assert [e.value for e in eps] == pytest.approx([line["privacy/epsilon_max"] for line in lines], rel=1e-6)
     assert eps[-1].value == pytest.approx(r.summary["privacy"]["epsilon_max"], rel=1e-6)
     h = acc.Histograms("privacy/epsilon_clients")
-    assert [x.step for x in h] == [int(x["version"]) for x in hist]
+    assert [x.step for x in h] == list(range(len(hist)))
     assert h[-1].histogram_value.num == r.summary["num_clients"]  # one value per client
     assert h[-1].histogram_value.max == pytest.approx(r.summary["privacy"]["epsilon_max"], rel=1e-6)
     # the resolved config as hparams
@@ -113,7 +115,7 @@ def test_mlflow_store_holds_params_metrics_and_the_model(tmp_path):
     assert run.data.params["data.num_clients"] == "20"
     assert run.data.params["server.max_versions"] == "12"
     m = client.get_metric_history(run.info.run_id, "eval/accuracy")
-    assert [x.step for x in m] == [int(h["version"]) for h in hist]
+    assert [x.step for x in m] == list(range(len(hist)))
     assert [x.value for x in m] == pytest.approx([h["accuracy"] for h in hist], rel=1e-12)
     assert [x.timestamp for x in m] == [round(h["virtual_time_s"] * 1000) for h in hist]
     acc = client.get_metric_history(run.info.run_id, "async/updates_accepted")

@@ -496,7 +496,10 @@ def _run_deployment(grid: Grid, job: dict) -> dict:
                      ev["live"], shown)
 
         parts = assemble(cfg, mode="deployment", resume=job.get("resume") is not None, base_dir=job.get("base_dir"))
-        server = AsyncServer(cfg, transport, store, clock="wall", mode="deployment", progress=progress,
+        from fedasync.tracking.live import LiveTracking  # the records logged as the run goes (issue 35)
+
+        live = LiveTracking(out, cfg, inner=progress, source=lambda: server, resume=job.get("resume") is not None)
+        server = AsyncServer(cfg, transport, store, clock="wall", mode="deployment", progress=live,
                              resume_run_id=job.get("resume"), node_for_client=transport.node_for_client,
                              available_clients=transport.available_clients,
                              public_keys=keys if cfg.deploy.signing else None, parts=parts)
@@ -510,6 +513,9 @@ def _run_deployment(grid: Grid, job: dict) -> dict:
     except BaseException as e:
         text = traceback.format_exc()
         log.error("the deployment ServerApp failed:\n%s", text)
+        from fedasync.tracking.live import abandon_live
+
+        abandon_live([out])
         if store is not None and run_id is not None:
             try:
                 store.set_run_status(run_id, "failed", f"{type(e).__name__}: {e}"[:200])

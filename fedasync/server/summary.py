@@ -27,7 +27,7 @@ def progress_event(srv: AsyncServer) -> dict:
         "updates": srv.received, "accepted": srv.accepted, "live": len(srv.live),
         "max_versions": srv.cfg.server.max_versions, "max_virtual_time": srv.cfg.server.max_virtual_time,
         "epsilon_max": srv.privacy.epsilon_max if srv.privacy is not None else None,
-        "exhausted": len(srv.exhausted),
+        "exhausted": len(srv.exhausted), "evaluations": len(srv.history),
     }
 
 

@@ -8,8 +8,10 @@ the asynchronous, privacy and participation figures of :mod:`fedasync.tracking.r
 MLflow, the final model as an artifact. A backend is imported only when asked for;
 :func:`check_backends` says in one line which extra to install, before a run starts.
 
-The records are made when a run ends (finished, stopped or interrupted) from its history and its
-store, so tracking never touches the loop: a run's model and history are the same with or without it.
+A server run's records are logged while it runs (:mod:`.live`: its progress callback reads the
+history and the store's new rows), the rest when it ends; otherwise (ledger, gossip, a run without a
+live tracker) all of them when it ends, from its history and its store. Tracking never touches the
+loop: a run's model and history are the same with or without it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 if TYPE_CHECKING:
     from fedasync.config import Config
     from fedasync.tracking.records import Record
+
+from fedasync.tracking.backends import _Fanout, _line, flat_params, make_trackers  # noqa: F401 (re-exported)
 
 log = logging.getLogger("fedasync")
 
@@ -44,6 +48,8 @@ class Tracker(Protocol):
                  histograms: dict[str, list[float]]) -> None: ...
 
     def log_model(self, path: Path) -> None: ...
+
+    def flush(self) -> None: ...
 
     def close(self) -> None: ...
 
@@ -71,84 +77,6 @@ def parse_track(spec: str | None) -> list[str]:
     if bad or not names:
         raise TrackingError(f"--track: {', '.join(bad) or repr(spec)} is not one of {', '.join(NEEDS)}")
     return [f"tracking.backends={json.dumps(names)}"]
-
-
-def flat_params(cfg: Config) -> dict[str, Any]:
-    """The resolved config as ``{dotted.key: value}`` (lists as JSON, None as ``null``); the store
-    URL and ``tracking.mlflow_uri`` with their passwords masked."""
-    from fedasync.private import mask_url
-
-    out: dict[str, Any] = {}
-
-    def walk(prefix: str, v: Any) -> None:
-        if isinstance(v, dict) and v:
-            for k, x in v.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), x)
-        elif isinstance(v, (bool, int, float, str)):
-            out[prefix] = mask_url(v) if prefix in ("store.url", "tracking.mlflow_uri") else v
-        else:
-            out[prefix] = json.dumps(v)
-    walk("", cfg.model_dump(mode="json", by_alias=True))
-    return out
-
-
-def make_trackers(cfg: Config, run_dir: Path, root: Path | None = None, label: str | None = None) -> list[Tracker]:
-    """One tracker per ``cfg.tracking.backends`` for the run in ``run_dir``; ``root``: the folder of
-    the MLflow store shared by ``--compare``'s runs (default ``run_dir``); ``label``: the run's name.
-    A backend that cannot be made is logged as one warning line and left out."""
-    tr = cfg.tracking
-    out: list[Tracker] = []
-    for name in tr.backends:
-        try:  # one that cannot be made (an MLflow store that cannot be reached): a warning, the others go on
-            if name == "tensorboard":
-                from fedasync.tracking.tensorboard import TensorBoardTracker
-
-                out.append(TensorBoardTracker(run_dir / "tensorboard"))
-            elif name == "mlflow":
-                from fedasync.tracking.mlflow import MLflowTracker
-
-                base = Path(root or run_dir)
-                uri = tr.mlflow_uri or f"sqlite:///{(base / 'mlflow.db').resolve()}"
-                # a SQLite store keeps its artifacts beside it (MLflow's default: ./mlruns where the
-                # command runs); a tracking server keeps its own
-                local = uri.startswith("sqlite:///") and uri != "sqlite:///:memory:"
-                out.append(MLflowTracker(uri, tr.experiment or cfg.name, label or cfg.server.strategy,
-                                         Path(uri[len("sqlite:///"):]).parent / "mlartifacts" if local else None))
-        except Exception as e:  # noqa: BLE001
-            _Fanout._warn(name, e)
-    return out
-
-
-def _line(r: Record) -> str:
-    """A record's scalars as one strict JSON line (a non-finite value: null)."""
-    import math
-
-    row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.scalars.items()}
-    return json.dumps(row, allow_nan=False) + "\n"
-
-
-class _Fanout:
-    """Calls a method on every tracker still working; one that raises is logged as one warning line
-    and dropped (the run's own files are written already: a tracker down must not lose the run)."""
-
-    def __init__(self, make: Callable[[], list[Tracker]]):
-        self.live: list[Any] = []
-        try:
-            self.live = list(make())
-        except Exception as e:  # noqa: BLE001 - e.g. an MLflow server that cannot be reached
-            self._warn("tracking", e)
-
-    @staticmethod
-    def _warn(who: str, e: BaseException) -> None:
-        log.warning("tracking: %s failed: %s: %s", who, type(e).__name__, (str(e).splitlines() or [""])[0])
-
-    def __call__(self, method: str, *args: Any) -> None:
-        for t in list(self.live):
-            try:
-                getattr(t, method)(*args)
-            except Exception as e:  # noqa: BLE001
-                self._warn(type(t).__name__, e)
-                self.live.remove(t)
 
 
 def stream(run_dir: Path, cfg: Config, recs: Iterable[Record], make: Callable[[], list[Tracker]],
@@ -202,18 +130,19 @@ def _summary_figures(summary: dict) -> Callable[[dict], None]:
 
 def track_run(run_dir: Path, cfg: Config, summary: dict, root: Path | None = None, label: str | None = None) -> None:
     """``metrics.jsonl`` of a server run (simulated or deployed) from its summary and store, and
-    the same records to ``cfg.tracking.backends`` (the final model as ``model.npz`` for MLflow)."""
+    the same records to ``cfg.tracking.backends`` (the final model as ``model.npz`` for MLflow).
+    When the run had a live tracker (:mod:`.live`) that one logs what is left and closes; else
+    (or when it stopped on an error) every record is made here."""
     import numpy as np
 
     from fedasync.private import open_private
     from fedasync.store import Store
+    from fedasync.tracking.live import live_for
     from fedasync.tracking.records import records
 
     st = Store(summary["store_url"])
     try:
         run_id = summary["run_id"]
-        recs = records(summary["history"], st.updates(run_id), st.dispatches(run_id), cfg.data.num_clients,
-                       local_dp=cfg.privacy.local_dp.enabled, per_client=cfg.tracking.per_client)
 
         def model() -> Path | None:
             if "mlflow" not in cfg.tracking.backends:
@@ -227,6 +156,11 @@ def track_run(run_dir: Path, cfg: Config, summary: dict, root: Path | None = Non
                 np.savez(f, **params)
             return path
 
+        live = live_for(run_dir)
+        if live is not None and live.finish(summary, _summary_figures(summary), model):
+            return
+        recs = records(summary["history"], st.updates(run_id), st.dispatches(run_id), cfg.data.num_clients,
+                       local_dp=cfg.privacy.local_dp.enabled, per_client=cfg.tracking.per_client)
         stream(run_dir, cfg, recs, lambda: make_trackers(cfg, run_dir, root, label), _summary_figures(summary), model)
     finally:
         st.close()

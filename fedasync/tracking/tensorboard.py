@@ -1,5 +1,6 @@
 """The TensorBoard tracker (tensorboardX, ``pip install fedasync[tensorboard]``): event files in
-``<run dir>/tensorboard``. Each scalar at ``global_step`` = the model version with the virtual time
+``<run dir>/tensorboard``. Each scalar at ``global_step`` = the evaluation's index (the model
+version is the scalar ``async/version``) with the virtual time
 as its wall time (TensorBoard's "relative" axis is simulated seconds); per-client figures as
 histograms; the resolved config as hparams (the final evaluation's metrics as their metrics)."""
 
@@ -35,6 +36,9 @@ class TensorBoardTracker:
 
     def log_model(self, path: Path) -> None:  # TensorBoard keeps no artifacts
         pass
+
+    def flush(self) -> None:  # live tracking: what was logged is on disk for `tensorboard --logdir`
+        self.writer.flush()
 
     def close(self) -> None:
         params = getattr(self, "params", None)
