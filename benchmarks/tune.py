@@ -28,7 +28,7 @@ time (one torch thread each); progress lines go to stderr. One JSON goes to
 scores and histories, the chosen configs and the report rows.
 
     python benchmarks/tune.py --config fedasync/examples/quickstart.yaml --strategies fedavg,fedbuff,fedasync \
-        --target 0.9 --budget 6 --horizon 150 --jobs 2 --name quickstart_tuning
+        --target 0.9 --budget 4 --horizon 600 --jobs 2 --name quickstart_tuning
 
 The protocol, its reasons and its cost: docs/howto/tuning.md.
 """
@@ -102,7 +102,7 @@ def _validates(raw: dict) -> str | None:
     try:
         cfg = config_from_dict(copy.deepcopy(raw))
         make_strategy(cfg.server, cfg.weighting, cfg.seed)
-    except Exception as e:  # noqa: BLE001 - any refusal drops the knob
+    except ValueError as e:  # a refusal (ConfigError is one) drops the knob; anything else is a bug: raised
         return str(e).splitlines()[0] if str(e) else type(e).__name__
     return None
 
