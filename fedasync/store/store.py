@@ -24,6 +24,7 @@ from fedasync.private import mask_url
 from fedasync.store import schema as S
 from fedasync.store.blobs import EXTERNAL_MIN_BYTES, BlobFiles, is_marker
 from fedasync.store.codec import pack_parts, unpack_params
+from fedasync.store.compact import settle
 from fedasync.store import serverless_schema as _serverless_schema  # noqa: F401  (its tables on S.Base)
 from fedasync.store.retry import retrying_transactions
 
@@ -324,10 +325,11 @@ class Store:
 
     def _drop_params(self, c: Connection, run_id: int, versions: list[int] | None) -> None:
         """Retention: forget the parameters of ``versions`` (their rows stay; their files go after
-        the commit)."""
+        the commit), on SQLite without leaving their pages underfull (compact.py)."""
         if versions:
-            c.execute(update(_MV).where(_MV.c.run_id == run_id, _MV.c.version.in_(versions))
-                      .values(parameters=None))
+            where = (_MV.c.run_id == run_id, _MV.c.version.in_(versions))
+            c.execute(update(_MV).where(*where).values(parameters=None))
+            settle(c, _MV, *where)
             self._unlink += [f"r{run_id}-v{v}" for v in versions]
 
     def versions_with_parameters(self, run_id: int) -> list[int]:
@@ -370,12 +372,14 @@ class Store:
         run_values = {"b_run": run_id, "b_state": str(loop_state), "b_vt": virtual_time}
 
         def op(c: Connection) -> None:
+            cleared: list[int] = []  # updates whose pending_params / filter_params this step forgets
             c.execute(_INSERT_U, row)
             self._set_dispatch(c, run_id, task_id, dispatch_status, None, now)
             if version_row is not None:
                 c.execute(_INSERT_MV, version_row)
                 c.execute(_APPLIED, {"b_run": run_id, "b_ids": list(new_version["task_ids"]),
                                      "b_v": version_row["version"]})
+                cleared += [t for t in new_version["task_ids"] if t != task_id or row["pending_params"] is not None]
                 self._recycle += [f"r{run_id}-u{t}" for t in new_version["task_ids"]]
                 c.execute(_RUN_VERSION, dict(run_values, b_cv=version_row["version"]))
             else:
@@ -384,10 +388,14 @@ class Store:
             self._drop_params(c, run_id, drop_params)
             if forget_filter_params is not None:
                 c.execute(_FORGET_FILTER, {"b_run": run_id, "b_task": forget_filter_params})
+                cleared.append(forget_filter_params)
                 self._recycle.append(f"r{run_id}-k{forget_filter_params}")
             for t, why in (rejected or {}).items():
                 c.execute(_REJECT, {"b_run": run_id, "b_task": t, "b_reason": why})
                 self._recycle.append(f"r{run_id}-u{t}")
+                cleared.append(t)
+            if cleared:  # their blobs just went: no page left almost empty (compact.py)
+                settle(c, _U, _U.c.run_id == run_id, _U.c.task_id.in_(cleared))
             if spends:
                 c.execute(insert(_PS), spends)
             if client_state:
