@@ -81,12 +81,6 @@ class Evaluator:
                               f"(its metrics: {', '.join(sorted(metrics)) or 'none'})")
 
 
-def reached(target: Any, metrics: dict) -> bool:
-    """Whether ``metrics`` reach ``target`` (>= value for ``mode: max``, <= for ``min``)."""
-    v = metrics[target.metric]
-    return v >= target.value if target.mode == "max" else v <= target.value
-
-
 @dataclass
 class RunParts:
     """What a run is made of; :class:`~fedasync.server.loop.AsyncServer` takes it as is."""
