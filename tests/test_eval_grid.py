@@ -99,6 +99,7 @@ def test_the_step_function_and_the_grid_position():
     assert next_grid_index([], 2.0) == 0
     assert next_grid_index([0.0, 2.0, 4.0, 5.3], 2.0) == 3  # 5.3: a final row, off the grid
     assert next_grid_index([0.0, 0.3, round(3 * 0.3, 6)], 0.3) == 4
+    assert next_grid_index([0.0, 2.0, 4.0], 3.0) == 2  # a grid changed on resume: the first time after the rows
 
 
 def test_stop_at_target_stops_once_it_has_held_target_hold_evaluations():

@@ -12,7 +12,8 @@ the version was made.
 
 **Time to target** (:func:`time_to_target`): the time of the first evaluation from which the target
 holds for ``server.target_hold`` evaluations in a row; ``server.stop_at_target`` stops the run once
-it has held that long. Every place that reports a time to target computes it with this function.
+it has held that long. The loop, a resume and the benchmarks (``benchmarks/mnist.py``, both sides of
+``benchmarks/wall_clock_vs_flower.py``) compute it with this function.
 
 Resume: the evaluations are rows of the store (``evaluations``), committed with the step that made
 them; the grid position (:func:`next_grid_index`) and the time to target are derived from them, so a
@@ -79,14 +80,11 @@ def grid_value(times: list[float], values: list, grid: Iterable[float]) -> list:
 
 
 def next_grid_index(times: Iterable[float], every_s: float) -> int:
-    """The index of the first grid time not yet recorded, given the recorded ``times`` (1 + the
-    largest k with ``k * every_s`` among them; 0 when none is on the grid)."""
-    k_max = -1
-    for t in times:  # (a time rounded to 6 decimals, as history rows hold them, is on the grid too)
-        k = round(t / every_s)
-        if abs(k * every_s - t) <= min(1e-3 * every_s, 1e-6 + 1e-9 * abs(t)):
-            k_max = max(k_max, k)
-    return k_max + 1
+    """The index of the first grid time after every recorded time (``times``; 0 when there is none):
+    every grid time up to the last row was recorded when the clock passed it, or at the end. A
+    time rounded to 6 decimals, as history rows hold it, counts as its grid time."""
+    last = max(times, default=None)
+    return 0 if last is None else math.floor(last / every_s + 1e-6) + 1
 
 
 class Evaluations:
