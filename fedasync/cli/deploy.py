@@ -326,6 +326,7 @@ def server(
     """Run the asynchronous server on a SuperLink, for SuperNodes started with `fedasync client`."""
     from fedasync.cli.common import (RunProgress, check_store_or_exit, data_or_exit, deployable_or_exit,
                                      load_or_exit, progress_bars, summary_table, track_or_exit, tracking_or_exit)
+    from fedasync.privacy.tracker import CalibrationBar
     from fedasync.deploy.keys import client_public_keys, supernode_auth_keys
     from fedasync.deploy.processes import check_port_free, parse_address
     from fedasync.deploy.run import ServerRun, check_control_port, check_out_dir, resolve_tls
@@ -417,7 +418,8 @@ def server(
     try:
         run.start()
         with progress_bars() as bars:
-            summary = run.follow(RunProgress(bars, cfg.name, cfg), lambda: stop_asked["n"])
+            summary = run.follow(RunProgress(bars, cfg.name, cfg), lambda: stop_asked["n"],
+                                 calibration=CalibrationBar(bars))  # DP noise calibration in the ServerApp
     except DeployError as e:
         fail(str(e), e.code)
     except KeyboardInterrupt:

@@ -94,6 +94,10 @@ def plan(
 ) -> None:
     """Per group of identical clients: q, steps per task, planned tasks, σ and the ε expected.
     A user task's (``task:``, imported from the YAML's folder) from its own clients' data."""
+    from contextlib import nullcontext
+
+    from fedasync.cli.common import progress_bars
+    from fedasync.privacy.tracker import CalibrationBar
     from fedasync.privacy.budgets import PrivacyError
     from fedasync.privacy.tracker import check_runnable
     from fedasync.task.interface import TaskError
@@ -111,8 +115,9 @@ def plan(
         except (ValueError, OSError, RuntimeError) as e:  # the built-in data, the task's own code
             line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             fail(f"task {cfg.task}: {line}" if cfg.task else line)
-    try:
-        check_runnable(cfg, sizes, model)
+    try:  # the noise calibration: a bar (a minute or two for 100 clients); with --json, lines on stderr
+        with nullcontext() if as_json else progress_bars() as bars:
+            check_runnable(cfg, sizes, model, progress=None if bars is None else CalibrationBar(bars))
         local = _plan_local(cfg, sizes) if p.local_dp.enabled else None
         central = _plan_central(cfg) if p.central_dp.enabled else None
     except (PrivacyError, ValueError) as e:

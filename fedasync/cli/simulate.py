@@ -18,19 +18,6 @@ from fedasync.private import mask_url
 from fedasync.runs import EngineError, RunError, resume_config
 
 
-class CalibrationBar:
-    """``calibration(done, total)`` of :func:`fedasync.api.prepare` as a rich progress bar (shown
-    only when there is noise to calibrate)."""
-
-    def __init__(self, bars):
-        self.bars, self.task = bars, None
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.task is None:
-            self.task = self.bars.add_task("calibrating DP noise", total=total, info="")
-        self.bars.update(self.task, completed=done, info=f"{done}/{total} (epsilon, delta, q, steps)")
-
-
 def parse_compare(spec: str, base: Config) -> list[tuple[str, Config]]:
     """``fedavg,fedbuff,fedasync`` or entries with server overrides: ``fedavg:backup_workers=4``.
 
@@ -63,6 +50,7 @@ def simulate(
     from fedasync import api
     from fedasync.assembly import TargetError
     from fedasync.privacy.budgets import PrivacyError
+    from fedasync.privacy.tracker import CalibrationBar
     from fedasync.task.interface import TaskError
 
     set_ = track_or_exit(track, set_)

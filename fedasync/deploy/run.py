@@ -211,10 +211,12 @@ class ServerRun:
     def close(self) -> None:
         self.fed.stop_superlink()
 
-    def follow(self, progress: Callable[[dict], None], stop_asked: Callable[[], int]) -> dict | None:
+    def follow(self, progress: Callable[[dict], None], stop_asked: Callable[[], int],
+               calibration: Callable[[int, int], None] | None = None) -> dict | None:
         """Follow the ServerApp through its status file and the store until it is done: its
         summary, or None (failed or stopped at once; said through ``warn``). ``stop_asked()``:
-        how many stop requests (Ctrl-C) there were so far."""
+        how many stop requests (Ctrl-C) there were so far; ``calibration(done, total)``: the DP
+        noise calibration while the ServerApp starts (its status file's ``calibration``)."""
         from fedasync.store import Store
 
         fed, out, flower_run, warn = self.fed, self.out, self.flower_run, self.warn
@@ -233,6 +235,8 @@ class ServerRun:
             if state == "failed":
                 warn(f"the ServerApp failed: {st.get('error')}\n(see {out / 'server.log'})")
                 return None
+            if calibration is not None and state == "starting" and isinstance(st.get("calibration"), list):
+                calibration(*st["calibration"][:2])
             if st.get("run_id") is not None and store is None:
                 run_id = int(st["run_id"])
                 store = Store(self.store_url, create=False)  # the status file shows it masked

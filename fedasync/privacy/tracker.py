@@ -85,12 +85,65 @@ def _finite(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else float(x)
 
 
+class ProgressLines:
+    """A start-up step's ``progress(done, total)`` as a line on stderr (``write``) every
+    ``every_s`` seconds: the first once ``first_s`` have passed (a calibration found in the cache
+    says nothing), the last when it is done, if a line was written. What :func:`check_runnable`
+    reports to when its caller gives no progress (the Python API, a user task's assembly)."""
+
+    def __init__(self, what: str = "calibrating DP noise", every_s: float = 3.0, first_s: float = 2.0,
+                 write: Any = None, clock: Any = None):
+        import sys
+        import time
+
+        self.what, self.every_s, self.first_s = what, every_s, first_s
+        self.write = write or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.clock = clock or time.monotonic
+        self.t0 = self.clock()
+        self.last: float | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        now = self.clock()
+        due = now - self.t0 >= self.first_s if self.last is None else now - self.last >= self.every_s
+        if due or (done >= total and self.last is not None):
+            self.last = now
+            self.write(f"{self.what}: {done}/{total} (epsilon, delta, sample rate, steps), {now - self.t0:.0f} s")
+
+
+class CalibrationBar:
+    """``progress(done, total)`` of the noise calibration as a task of a rich ``Progress``
+    (``bars``; added on the first call, so nothing shows when there is nothing to calibrate): the
+    bar of ``fedasync simulate``, ``fedasync server`` and ``fedasync privacy plan``."""
+
+    def __init__(self, bars):
+        self.bars, self.task = bars, None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.task is None:
+            self.task = self.bars.add_task("calibrating DP noise", total=total, info="")
+        self.bars.update(self.task, completed=done, info=f"{done}/{total} (epsilon, delta, q, steps)")
+
+
+#: () -> the progress(done, total) that check_runnable reports to when its caller gives none
+_default_progress: Any = ProgressLines
+
+
+def set_calibration_progress(make: Any) -> Any:
+    """Make ``make()`` the progress :func:`check_runnable` reports to when its caller gives none
+    (the deployment ServerApp: its status file, which ``fedasync server`` shows as a bar); the
+    previous one."""
+    global _default_progress
+    prev, _default_progress = _default_progress, make
+    return prev
+
+
 def check_runnable(cfg: Config, sizes: list[int] | None = None, model: Any = None,
                    progress: Any = None) -> None:
     """Everything that can be checked before a DP run starts (raises :class:`PrivacyError`).
     ``sizes`` (each client's examples) and ``model()`` (the task's model): a run's parts
     (:func:`fedasync.assembly.assemble`); without them, the built-in task's. ``progress(done,
-    total)``: the noise calibration's (:func:`fedasync.privacy.budgets.plan_clients`)."""
+    total)``: the noise calibration's (:func:`fedasync.privacy.budgets.plan_clients`); None:
+    :func:`set_calibration_progress`'s (lines on stderr every few seconds, :class:`ProgressLines`)."""
     from fedasync.privacy.dp import check_model, check_secure_mode
 
     p = cfg.privacy
@@ -108,7 +161,8 @@ def check_runnable(cfg: Config, sizes: list[int] | None = None, model: Any = Non
             sizes = fed.sizes()
             model = lambda: build_model(cfg.model, fed.input_shape, fed.num_classes)  # noqa: E731
         check_model(model())
-        plan_clients(cfg, list(sizes), progress)  # resolves every budget and calibrates sigma (cached)
+        # resolves every budget and calibrates sigma (cached)
+        plan_clients(cfg, list(sizes), progress if progress is not None else _default_progress())
 
 
 class PrivacyTracker:

@@ -495,6 +495,9 @@ def _run_deployment(grid: Grid, job: dict) -> dict:
             log.info("v%d  updates=%d accepted=%d live=%d %s", ev["version"], ev["updates"], ev["accepted"],
                      ev["live"], shown)
 
+        from fedasync.privacy.tracker import set_calibration_progress  # DP noise calibration: `fedasync server`'s bar
+
+        set_calibration_progress(lambda: lambda d, t: _write_status(out, state="starting", calibration=[d, t]))
         parts = assemble(cfg, mode="deployment", resume=job.get("resume") is not None, base_dir=job.get("base_dir"))
         from fedasync.tracking.live import LiveTracking  # the records logged as the run goes (issue 35)
 

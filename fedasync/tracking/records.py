@@ -4,8 +4,8 @@ history and the store's dispatch and update rows, so that a resumed run's record
 A record is a flat dict: ``step`` (the evaluation's index in the run's history: 0, 1, 2, ...; the
 evaluation grid of ``server.eval_every_s`` can evaluate one version at several grid times, so the
 version would repeat), ``virtual_time_s``, ``async/version`` (the model version evaluated),
-``eval/<metric>`` for every metric of the evaluation, and the figures of the run up to that evaluation's virtual time (the
-updates received at or before it):
+``eval/<metric>`` for every metric of the evaluation, and the figures of the run up to that
+evaluation's virtual time (the updates received at or before it):
 
 * ``train/loss``: the mean loss the clients reported with the updates accepted since the previous
   evaluation (absent when none reported one);
