@@ -179,7 +179,8 @@ def main() -> None:
         "command": "python benchmarks/deploy_latency.py " + " ".join(sys.argv[1:]),
     }
     path = out / (f"deploy_latency_{args.name}.json" if args.name else "deploy_latency.json")
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    from provenance import provenance, write_result  # benchmarks/: on sys.path when run as a script
+    write_result(path, {"provenance": provenance(), **report})
     print(json.dumps(report, indent=2))
     print(f"wrote {path} (work directory {work})")
     if not args.keep:

@@ -15,7 +15,6 @@ all of them alike.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -124,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "dp_overhead.md").write_text(table + "\n")
-    (out / "dp_overhead.json").write_text(json.dumps({"args": vars(args), "rows": rows, "accounting_ms": accounting}, indent=2) + "\n")
+    from provenance import provenance, write_result  # benchmarks/: on sys.path when run as a script
+    write_result(out / "dp_overhead.json", {"provenance": provenance(), "args": vars(args), "rows": rows, "accounting_ms": accounting})
     print(f"\nwrote {out / 'dp_overhead.md'} and {out / 'dp_overhead.json'}")
     return 0
 

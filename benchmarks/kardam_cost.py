@@ -16,7 +16,6 @@ last update and those base versions) at the end.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -77,7 +76,8 @@ def main() -> None:
               f"{r['kept_mb']:,.1f} MB of remembered models")
     path = Path(a.out) / "kardam_cost.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1) + "\n")
+    from provenance import provenance, write_result  # benchmarks/: on sys.path when run as a script
+    write_result(path, {"provenance": provenance(), **out})
     print(f"wrote {path}")
 
 

@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"          -> {row['virtual_time_to_target_s']} virtual s to {row['target']}", flush=True)
     md = render(rows, n, a)
     a.results.mkdir(parents=True, exist_ok=True)
-    (a.results / "serverless_compare.json").write_text(json.dumps({"peers": n, "rows": rows}, indent=2) + "\n")
+    from provenance import provenance, write_result  # benchmarks/: on sys.path when run as a script
+    write_result(a.results / "serverless_compare.json", {"provenance": provenance(), "peers": n, "rows": rows})
     (a.results / "serverless_compare.md").write_text(md)
     update_readme(a.readme, md)
     print(md)

@@ -15,7 +15,6 @@ commit that nulls the row, to ``results/sqlite_blobs.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sqlite3
 import tempfile
@@ -91,7 +90,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     out = {"params": args.params, "blob_mb": round(len(blob) / 2**20, 2), "blobs": args.blobs,
            "load_average": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count(), "runs": rows}
-    (args.out / "sqlite_blobs.json").write_text(json.dumps(out, indent=2) + "\n")
+    from provenance import provenance, write_result  # benchmarks/: on sys.path when run as a script
+    write_result(args.out / "sqlite_blobs.json", {"provenance": provenance(), **out})
     print(f"wrote {args.out / 'sqlite_blobs.json'}")
 
 

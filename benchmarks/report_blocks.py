@@ -1,0 +1,278 @@
+"""The generated blocks of the benchmark pages: one function per block name, each reading its result
+files and returning the block's Markdown (:mod:`report` puts it between the block's markers).
+
+Every number a block states is read from a file under ``benchmarks/results/``. A file made under
+the old evaluation protocol (evaluated every N versions, settings tuned on the reported seed) is
+said so by the block: the file's own ``protocol`` key, else :data:`OLD_PROTOCOL`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Files made before the evaluation grid (server.eval_every_s): what their protocol was.
+OLD_PROTOCOL = {
+    "mnist-h1800.json": "old protocol: the server evaluated every ~20 updates on a 1,000-image test "
+                        "subset, and FedBuff's settings were chosen on this same seed and subset",
+    "wall_clock_vs_flower_lr15.json": "old protocol: Flower's FedAvg evaluated after every round of 20 "
+                                      "updates, FedBuff every 10 updates, and `server_lr: 1.5` was tuned on MNIST",
+    "wall_clock_vs_flower_lr15_2.json": "old protocol, as above",
+}
+
+
+def load(results: Path, name: str) -> dict:
+    """A result file's content (``name`` relative to ``results``)."""
+    return json.loads((results / name).read_text())
+
+
+@lru_cache(maxsize=None)
+def _first_commit_date(rel: str) -> str | None:
+    out = subprocess.run(["git", "log", "--follow", "--format=%ad", "--date=short", "--", rel], cwd=ROOT,
+                         capture_output=True, text=True)
+    dates = out.stdout.split()
+    return dates[-1] if out.returncode == 0 and dates else None
+
+
+def made_by(results: Path, name: str) -> str:
+    """How the file was made: its provenance's command, commit and date, or, for a file made
+    before provenance was recorded, "(no provenance: made before <date of its first commit>)"."""
+    data = load(results, name)
+    prov = data.get("provenance")
+    if prov:
+        commit = (prov.get("commit") or "unknown")[:7] + ("+" if prov.get("dirty") else "")
+        nproc = (prov.get("machine") or {}).get("nproc")
+        return f"`{prov['command']}`, commit {commit}, {nproc} CPUs, {prov['date'][:10]}"
+    date = _first_commit_date(f"benchmarks/results/{name}")
+    return f"(no provenance: made before {date or 'it was committed'})"
+
+
+def protocol(results: Path, name: str) -> str | None:
+    """The old-protocol note of a file (its ``protocol`` key, else :data:`OLD_PROTOCOL`); None on the grid."""
+    p = load(results, name).get("protocol")
+    if p and p != "old":
+        return None if p == "grid" else str(p)
+    return OLD_PROTOCOL.get(name, "old protocol" if p == "old" else None)
+
+
+def fmt(x: Any, nd: int = 1) -> str:
+    """A figure as the tables print it: ``-`` for None, ints with thousands separators."""
+    if x is None:
+        return "-"
+    if isinstance(x, int) or (isinstance(x, float) and nd == 0):
+        return f"{round(x):,}"
+    return f"{x:,.{nd}f}"
+
+
+def spread(s: dict, nd: int) -> str:
+    """``median (min–max)`` of a :func:`quickstart.run` summary entry; the median alone when all agree."""
+    if s["median"] is None:
+        return "-"
+    parts = [f"{fmt(s['min'], nd)}–{fmt(s['max'], nd)}"] if s["min"] != s["max"] else []
+    parts += [f"{s['missed']} missed"] if s.get("missed") else []
+    return fmt(s["median"], nd) + (f" ({'; '.join(parts)})" if parts else "")
+
+
+# --- the quickstart -------------------------------------------------------------------------
+
+QS_HEAD = ("| strategy | versions | updates | rejected | time to 90 % (virtual s) | ratio vs fedavg | final acc | "
+           "best acc | staleness mean / p95 |\n|---|---|---|---|---|---|---|---|---|\n")
+
+
+def _qs_rows(summary: dict, prefix: str = "") -> str:
+    rows = []
+    for label, f in summary.items():
+        rows.append(f"| {prefix}{label} | {spread(f['versions'], 0)} | {spread(f['updates'], 0)} | "
+                    f"{spread(f['rejected'], 0)} | {spread(f['time_to_target_s'], 1)} | {spread(f['ratio'], 2)} | "
+                    f"{spread(f['final_accuracy'], 4)} | {spread(f['best_accuracy'], 4)} | "
+                    f"{spread(f['staleness_mean'], 2)} / {spread(f['staleness_p95'], 0)} |")
+    return "\n".join(rows) + "\n"
+
+
+def _legacy(d: dict) -> dict:
+    """A comparison.json of one run (the file before ``benchmarks/quickstart.py``) in the shape of
+    :func:`quickstart.run`'s: one seed, each figure its own median, min and max."""
+    one = lambda v: {"median": v, "min": v, "max": v, "missed": int(v is None)}  # noqa: E731
+    summary = {}
+    for label, s in d["strategies"].items():
+        f = {"versions": s["versions"], "updates": s["updates_received"], "rejected": s["updates_rejected"],
+             "time_to_target_s": s["time_to_target_s"], "ratio": d["time_to_target_ratio"][label],
+             "final_accuracy": s["final_accuracy"], "best_accuracy": s["best_accuracy"],
+             "staleness_mean": s["staleness"]["mean"], "staleness_p95": s["staleness"]["p95"]}
+        summary[label] = {k: one(v) for k, v in f.items()}
+    seed = next(iter(d["strategies"].values()))["seed"]
+    return {"seeds": [seed], "horizon_s": next(iter(d["strategies"].values()))["virtual_time_s"],
+            "backend": "flower", "summary": summary,
+            "protocol": "old protocol: one seed, the model evaluated after every version, the target met by "
+                        "the first evaluation at 90 %; the file predates e3550f2, which changed every run with "
+                        "backup workers, so its backup-workers row no longer reproduces"}
+
+
+def quickstart_table(results: Path) -> str:
+    """The quickstart comparison: medians over the seeds (min–max), defaults and, when
+    ``quickstart_tuning.json`` holds a summary of the same shape, tuned."""
+    name = "quickstart_comparison.json"
+    d = load(results, name)
+    if "seeds" not in d:
+        d = _legacy(d)
+    many = len(d["seeds"]) > 1
+    how = (f"seeds {', '.join(str(x) for x in d['seeds'])} (medians, min–max in brackets)" if many
+           else f"seed {d['seeds'][0]}")
+    where = ("in-process on the `local` backend" if d["backend"] == "local" else "on Flower's simulation engine")
+    out = (f"The packaged quickstart under four strategies, to {fmt(d['horizon_s'], 0)} virtual s, {how}, every key "
+           f"at its default, {where}: {made_by(results, name)}"
+           + (f"; {d['protocol']}" if d.get("protocol") else "") + ".\n\n" + QS_HEAD + _qs_rows(d["summary"]))
+    if (results / "quickstart_tuning.json").is_file():
+        t = load(results, "quickstart_tuning.json")
+        if isinstance(t.get("summary"), dict):
+            out += _qs_rows(t["summary"], "tuned: ")
+            out += f"\nTuned rows: {made_by(results, 'quickstart_tuning.json')}.\n"
+    s = d["summary"]
+    r = {k: s[k]["ratio"]["median"] for k in s}
+    if r.get("fedbuff") and r.get("fedasync"):
+        out += (f"\n{'Median over the seeds' if many else 'In this run'}, FedBuff reaches 90 % test accuracy {fmt(r['fedbuff'], 2)}× sooner than "
+                f"synchronous FedAvg on the virtual clock and FedAsync {fmt(r['fedasync'], 2)}× sooner")
+        b = r.get("fedavg-backup_workers=4")
+        out += (f"; FedAvg with backup workers (b = 4) {fmt(b, 2)}×.\n" if b else ".\n")
+    return out
+
+
+# --- MNIST and the wall clock: the README's sentences ----------------------------------------
+
+def _row(d: dict, run: str) -> dict:
+    return next(r for r in d["rows"] if r["run"] == run)
+
+
+def readme_mnist_wallclock(results: Path) -> str:
+    """The README's MNIST and wall-clock sentences."""
+    m = load(results, "mnist-h1800.json")
+    fb = _row(m, "fedbuff")
+    note = protocol(results, "mnist-h1800.json")
+    out = (f"On MNIST (`fedavg_cnn`, 100 clients), FedBuff tuned to `server_lr: 1.5`, the `fastest` scheduler "
+           f"and 30 tasks in flight reaches 97 % in {fmt(fb['time_to_97_s'], 1)} virtual s, "
+           f"{fmt(fb['speedup_97_vs_fedavg'], 2)}× sooner than FedAvg (`benchmarks/results/mnist-h1800.json`, "
+           f"{made_by(results, 'mnist-h1800.json').strip('()')}" + (f"; {note}" if note else "") + ").")
+    ratios = []
+    for name in ("wall_clock_vs_flower_lr15.json", "wall_clock_vs_flower_lr15_2.json"):
+        w = load(results, name)
+        ratios.append((name, w["speedup_vs_flower_fedavg"]["fedbuff:server_lr=1.5"],
+                       w["speedup_vs_flower_fedavg"]["fedbuff"]))
+    out += (" On the wall clock, against Flower's own FedAvg in the same engine, FedBuff with `server_lr: 1.5` "
+            "reached 90 % " + " and ".join(f"{fmt(a, 2)}×" for _, a, _ in ratios) + " sooner, FedBuff at the "
+            "quickstart's own settings " + " and ".join(f"{fmt(b, 2)}×" for _, _, b in ratios) + " ("
+            + ", ".join(f"`{n}`" for n, _, _ in ratios) + f"; {OLD_PROTOCOL['wall_clock_vs_flower_lr15.json']}).")
+    return out + "\n"
+
+
+# --- docs/benchmarks/quickstart.md: the wall clock --------------------------------------------
+
+WALL_LABELS = {
+    "flower-fedavg": "Flower FedAvg",
+    "fedbuff:server_lr=1.5:scheduler.name=fastest": "fedasync FedBuff, `server_lr: 1.5`, `scheduler.name: fastest`",
+    "fedbuff:server_lr=1.5": "fedasync FedBuff, `server_lr: 1.5`",
+    "fedbuff": "fedasync FedBuff as the quickstart sets it (`server_lr: 1.0`)",
+    "fedbuff:scheduler.name=fastest": "fedasync FedBuff, `scheduler.name: fastest`",
+    "fedasync": "fedasync FedAsync",
+}
+
+
+def wall_clock_table(results: Path) -> str:
+    """One engine start's wall-clock runs (``wall_clock_vs_flower_lr15.json``)."""
+    name = "wall_clock_vs_flower_lr15.json"
+    w = load(results, name)
+    rows = ["| run | wall s to 90 % | vs Flower FedAvg | rounds / versions | updates |", "|---|---:|---:|---:|---:|"]
+    order = sorted(w["runs"], key=lambda k: k != "flower-fedavg")
+    for k in order:
+        r = w["runs"][k]
+        n = f"{r['rounds']} rounds" if "rounds" in r else fmt(r.get("versions"), 0)
+        rows.append(f"| {WALL_LABELS.get(k, k)} | {fmt(r['time_to_target_s'], 1)} | "
+                    f"{fmt(w['speedup_vs_flower_fedavg'].get(k), 2)}× | {n} | {fmt(r['updates'], 0)} |")
+    return (f"`{name}`: {made_by(results, name)}; {protocol(results, name)}.\n\n" + "\n".join(rows) + "\n")
+
+
+# Each wall-clock file and, for a file without a Flower run, the file whose Flower run it is set against.
+WALL_FILES = ["wall_clock_vs_flower.json", "archive/wall_clock_vs_flower_idle1.json",
+              "archive/wall_clock_vs_flower_fastest.json", "archive/wall_clock_vs_flower_loaded.json",
+              "archive/wall_clock_vs_flower_idle2.json", "wall_clock_vs_flower_lr15.json",
+              "wall_clock_vs_flower_lr15_2.json"]
+WALL_PAIRED = {"archive/wall_clock_vs_flower_fastest.json": ("archive/wall_clock_vs_flower_idle1.json",
+                                                             "fedbuff:scheduler.name=fastest")}
+
+
+def wall_clock_runs(results: Path) -> str:
+    """Every wall-clock run's ratio to Flower's FedAvg, grouped by FedBuff's (or FedAsync's) settings."""
+    groups: dict[str, list[str]] = {}
+    for name in WALL_FILES:
+        if not (results / name).is_file():
+            continue
+        w = load(results, name)
+        if name in WALL_PAIRED:
+            other, label = WALL_PAIRED[name]
+            flower = load(results, other)["runs"]["flower-fedavg"]["time_to_target_s"]
+            (key, r), = w["runs"].items()
+            groups.setdefault(label, []).append(f"{flower / r['time_to_target_s']:.2f} (`{name}`, against "
+                                                f"`{other}`'s Flower run)")
+            continue
+        for key, ratio in w.get("speedup_vs_flower_fedavg", {}).items():
+            if key != "flower-fedavg" and ratio is not None:
+                groups.setdefault(key, []).append(f"{ratio:.2f} (`{name}`)")
+    rows = ["| settings | runs: × Flower's FedAvg to 90 % | ≥ 5× |", "|---|---|---|"]
+    for key, runs in groups.items():
+        hit = sum(float(r.split()[0]) >= 5 for r in runs)
+        rows.append(f"| {WALL_LABELS.get(key, key)} | {', '.join(runs)} | {hit} of {len(runs)} |")
+    alone = "archive/wall_clock_flower_alone.json"
+    if (results / alone).is_file():
+        a = load(results, alone)["runs"]["flower-fedavg"]
+        rows.append(f"\nFlower's FedAvg alone on a fresh engine (`{alone}`): {fmt(a['time_to_target_s'], 1)} s, "
+                    f"{a['rounds']} rounds.")
+    return "\n".join(rows) + "\n\nEvery file above: " + OLD_PROTOCOL["wall_clock_vs_flower_lr15.json"] + ".\n"
+
+
+# --- docs/benchmarks/mnist.md ------------------------------------------------------------------
+
+def mnist_h1800_table(results: Path) -> str:
+    """MNIST to 1,800 virtual s: ``mnist-h1800.json`` and ``mnist-h1800-lr1-uniform.json``'s FedBuff."""
+    rows = ["| run | updates | to 90 % (virtual s) | to 95 % | to 97 % | vs FedAvg to 97 % | final acc (1,000 eval) "
+            "| final acc (10,000 test) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    m = load(results, "mnist-h1800.json")
+    extra = [dict(r, run="fedbuff_lr1_uniform") for r in load(results, "mnist-h1800-lr1-uniform.json")["rows"]
+             if r["run"] == "fedbuff"]
+    fedavg97 = _row(m, "fedavg")["time_to_97_s"]
+    for r in m["rows"] + extra:
+        ratio = fedavg97 / r["time_to_97_s"] if r.get("time_to_97_s") else None
+        rows.append(f"| {r['run']} | {fmt(r['updates'], 0)} | {fmt(r.get('time_to_90_s'))} | "
+                    f"{fmt(r.get('time_to_95_s'))} | {fmt(r.get('time_to_97_s'))} | {fmt(ratio, 2)}× | "
+                    f"{fmt(r['final_accuracy'], 3)} | {fmt(r.get('final_accuracy_full_test'), 4)} |")
+    return (f"`mnist-h1800.json`: {made_by(results, 'mnist-h1800.json')}; `mnist-h1800-lr1-uniform.json`: "
+            f"{made_by(results, 'mnist-h1800-lr1-uniform.json')}; {protocol(results, 'mnist-h1800.json')}.\n\n"
+            + "\n".join(rows) + "\n")
+
+
+def mnist_sweep_table(results: Path) -> str:
+    """FedBuff's sweep (``mnist_fedbuff_sweep.json``), fastest to 97 % first."""
+    name = "mnist_fedbuff_sweep.json"
+    d = load(results, name)
+    rows = ["| variant | server keys | to 90 % (virtual s) | to 97 % | vs FedAvg to 97 % |", "|---|---|---:|---:|---:|"]
+    for r in sorted(d["rows"], key=lambda r: (r["time_to_97_s"] is None, r["time_to_97_s"] or 0)):
+        keys = ", ".join(f"`{o.removeprefix('server.')}`" for o in r["overrides"]) or "(`mnist.yaml` as is)"
+        ratio = d["fedavg_time_to_97_s"] / r["time_to_97_s"] if r["time_to_97_s"] else None
+        rows.append(f"| {r['variant']} | {keys} | {fmt(r['time_to_90_s'])} | {fmt(r['time_to_97_s'])} | "
+                    f"{fmt(ratio, 2)}× |")
+    return (f"`{name}` (FedAvg to 97 %: {fmt(d['fedavg_time_to_97_s'])} virtual s): {made_by(results, name)}; "
+            "old protocol: every variant scored on the seed and the 1,000 evaluation images it is reported on.\n\n"
+            + "\n".join(rows) + "\n")
+
+
+GENERATORS: dict[str, Callable[[Path], str]] = {
+    "quickstart-table": quickstart_table,
+    "readme-mnist-wallclock": readme_mnist_wallclock,
+    "wall-clock-table": wall_clock_table,
+    "wall-clock-runs": wall_clock_runs,
+    "mnist-h1800-table": mnist_h1800_table,
+    "mnist-sweep-table": mnist_sweep_table,
+}
