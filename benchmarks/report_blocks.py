@@ -268,6 +268,37 @@ def mnist_sweep_table(results: Path) -> str:
             + "\n".join(rows) + "\n")
 
 
+# --- docs/benchmarks/deployment.md ----------------------------------------------------------------
+
+DEPLOY_ROWS = [("before: `flwr-clientapp` per message, 3 s poll (`--no-warm --poll-interval 3`)", "deploy_latency_before_idle.json"),
+               ("**after**: warm trainer, 1 s poll", "deploy_latency_after_idle.json"),
+               ("after, 10 SuperNodes (concurrency 10)", "deploy_latency_10nodes_idle.json"),
+               ("after, shared machine", "deploy_latency_after_final.json"),
+               ("after, 10 SuperNodes, shared machine", "deploy_latency_10nodes_final.json"),
+               ("before, machine overloaded", "deploy_latency_before_loaded.json"),
+               ("after, machine overloaded", "deploy_latency_after_loaded.json")]
+
+
+def _load_1min(uptime: str) -> float:
+    return float(uptime.split("load average:")[1].split(",")[0])
+
+
+def deployment_table(results: Path) -> str:
+    """Per-update latency on loopback SuperNodes, one file per row (:data:`DEPLOY_ROWS`)."""
+    rows = ["| path | SuperNodes | p50 per update | p95 | updates/min | first update after the last SuperNode "
+            "started | load average (1 min) | file |", "|---|---|---|---|---|---|---|---|"]
+    base = load(results, DEPLOY_ROWS[0][1])["updates_per_minute"]
+    for label, name in DEPLOY_ROWS:
+        d = load(results, name)
+        loads = sorted(_load_1min(d[k]) for k in ("uptime_at_start", "uptime_at_end"))
+        gain = f" ({d['updates_per_minute'] / base:.1f}×)" if name == DEPLOY_ROWS[1][1] else ""
+        rows.append(f"| {label} | {d['nodes']} | {d['latency_s']['p50']:.1f} s | {d['latency_s']['p95']:.1f} s | "
+                    f"{d['updates_per_minute']:.1f}{gain} | {d['last_supernode_to_first_update_s']:.1f} s | "
+                    f"{loads[0]:.1f}–{loads[1]:.1f} | `{name}` |")
+    made = sorted({made_by(results, n) for _, n in DEPLOY_ROWS})
+    return "Every file: " + "; ".join(made) + ".\n\n" + "\n".join(rows) + "\n"
+
+
 GENERATORS: dict[str, Callable[[Path], str]] = {
     "quickstart-table": quickstart_table,
     "readme-mnist-wallclock": readme_mnist_wallclock,
@@ -275,4 +306,5 @@ GENERATORS: dict[str, Callable[[Path], str]] = {
     "wall-clock-runs": wall_clock_runs,
     "mnist-h1800-table": mnist_h1800_table,
     "mnist-sweep-table": mnist_sweep_table,
+    "deployment-table": deployment_table,
 }
