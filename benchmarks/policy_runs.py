@@ -122,14 +122,15 @@ def fmt(x: Any, spec: str = ".3f") -> str:
 
 def grid_main(argv: list[str] | None, *, script: str, description: str, cells: list[tuple[str, list[str]]],
               scenario: str, extract: Callable[[dict], dict[str, Any]], goals: Callable[[dict], dict],
-              table: Callable[[dict], str], priority: list[tuple[int, list[str]]] | None = None) -> int:
+              table: Callable[[dict], str], priority: list[tuple[int, list[str]]] | None = None,
+              default_seeds: str = "0,1,2", meta: dict[str, Any] | None = None) -> int:
     """The command line both grid benchmarks share: ``--seeds``, ``--only``, ``--quick``,
     ``--horizon``, ``--out``, ``--table`` (and ``--priority`` where a plan is given). ``cells``
     are (label, overrides) without the horizon; results go to ``results/<script>.json``."""
     import argparse
 
     ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--seeds", default=default_seeds)
     ap.add_argument("--only", default=None, help="comma-separated labels of the grid to run")
     ap.add_argument("--quick", action="store_true", help="seed 0, max_virtual_time 20 (a smoke run)")
     ap.add_argument("--horizon", type=float, default=150.0, help="server.max_virtual_time (default: the quickstart's 150)")
@@ -150,7 +151,11 @@ def grid_main(argv: list[str] | None, *, script: str, description: str, cells: l
     grid = [(lbl, extra + o) for lbl, o in cells if only is None or lbl in only]
     plan = ([(lbl, seed) for seed, labels in priority for lbl in labels]
             if priority is not None and args.priority else None)
+    from provenance import provenance  # benchmarks/: on sys.path when run as a script
+
     data = run_grid(grid, seeds, path, extract, meta={
+        "provenance": provenance([f"benchmarks/{script}.py", *(argv if argv is not None else sys.argv[1:])]),
+        **(meta or {}), "seeds": seeds,
         "scenario": f"{scenario}, max_virtual_time={horizon:g}",
         "command": " ".join([f"python benchmarks/{script}.py", *(argv if argv is not None else sys.argv[1:])])},
         goals=goals, plan=plan)
