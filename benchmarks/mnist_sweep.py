@@ -56,8 +56,6 @@ VARIANTS: dict[str, list[str]] = {
                                  "server.scheduler.explore=0.3"],
     "fastest_lr1.5_constant": ["server.scheduler.name=fastest", "server.server_lr=1.5",
                                "server.staleness.fn=constant"],
-    "fastest_lr1.5_adaptive": ["server.scheduler.name=fastest", "server.server_lr=1.5",
-                               "server.staleness.fn=adaptive"],
     "fastest_lr1.5_c30": ["server.scheduler.name=fastest", "server.server_lr=1.5", "server.concurrency=30"],
     "fastest_lr1.5_c40": ["server.scheduler.name=fastest", "server.server_lr=1.5", "server.concurrency=40"],
     "fastest_lr1.5_c40_K20": ["server.scheduler.name=fastest", "server.server_lr=1.5", "server.concurrency=40",

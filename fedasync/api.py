@@ -80,12 +80,18 @@ def resolve_config(config: str | Path | Mapping | Config | None, set_: Mapping |
 
 def compare_configs(spec: str | list, base: Config) -> list[tuple[str, Config]]:
     """``"fedavg,fedbuff,fedasync"`` (an entry may add server keys: ``fedavg:backup_workers=4``) or
-    a list of such entries: one config each, differing from ``base`` only in ``server``."""
-    entries = spec.split(",") if isinstance(spec, str) else list(spec)
+    a list of such entries: one config each, differing from ``base`` only in ``server``. Each entry
+    resets the keys of ``base`` that apply to another compared strategy but not to its own
+    (:func:`fedasync.config_effect.reset_inapplicable`), so none is refused for having no effect."""
+    from fedasync.config_effect import reset_inapplicable
+
+    entries = [str(e).strip() for e in (spec.split(",") if isinstance(spec, str) else list(spec)) if str(e).strip()]
     out: list[tuple[str, Config]] = []
-    raw = base.model_dump(mode="json")
-    for entry in [str(e).strip() for e in entries if str(e).strip()]:
+    compared = [e.split(":")[0] for e in entries]
+    for entry in entries:
         name, *kvs = entry.split(":")
+        raw = base.model_dump(mode="json")
+        reset_inapplicable(raw["server"], name, compared)
         sets = [f"server.strategy={name}"] + [f"server.{kv}" for kv in kvs]
         try:
             cfg = config_from_dict(apply_overrides(raw, sets))

@@ -7,19 +7,16 @@ problem; the CLI prints it and exits with code 2.
 
 from __future__ import annotations
 
-import copy
-from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fedasync.config_effect import no_effect
+from fedasync.config_load import (ConfigError, apply_overrides, packaged_example, parse_client_set,  # noqa: F401
+                                  parse_override, read_yaml)
 from fedasync.tracking.schema import TrackingConfig
-
-
-class ConfigError(ValueError):
-    """A bad config: the message is one line, starting with the key path."""
 
 
 class _Section(BaseModel):
@@ -159,7 +156,10 @@ class ServerConfig(_Section):
     alpha: float = Field(0.6, gt=0, le=1)
     # fedbuff
     buffer_size: int = Field(10, gt=0)
+    # fedbuff and fedavg: the server optimizer on each aggregated step d (FedAvgM, Hsu et al. 2019):
+    # v <- server_momentum * v + d; x <- x + server_lr * v
     server_lr: float = Field(1.0, gt=0)
+    server_momentum: float = Field(0.0, ge=0, lt=1)
     # fedavg
     clients_per_round: int | None = Field(None, gt=0)  # m; default: concurrency
     backup_workers: int = Field(0, ge=0)  # b
@@ -382,6 +382,9 @@ class Config(_Section):
                                  "privacy.central_dp (its sensitivity is that of the mean)")
         if s.delay_compensation.method != "none" and s.strategy == "fedavg":
             raise ValueError("server.delay_compensation.method: applies to fedasync and fedbuff, not fedavg")
+        problem = no_effect(s)  # a key set away from its default that the strategy ignores
+        if problem:
+            raise ValueError(problem)
         if self.attack is not None and self.attack.clients is not None:
             parse_client_set(self.attack.clients, n, key="attack.clients")
         speed, bw = profile_draws(n, self.clock, self.seed)
@@ -431,12 +434,6 @@ def profile_draws(num_clients: int, clock: ClockConfig, seed: int) -> tuple[Any,
 # -- loading ------------------------------------------------------------------------
 
 
-def packaged_example(name: str = "quickstart") -> Path:
-    """Path of a YAML file shipped inside the package (fedasync/examples/NAME.yaml)."""
-    ref = resources.files("fedasync") / "examples" / f"{name}.yaml"
-    return Path(str(ref))
-
-
 def _loc(loc: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in loc if not str(p).startswith("function-")) or "<root>"
 
@@ -471,54 +468,11 @@ def _format_error(err: ValidationError) -> str:
     return f"{loc}: {msg}"
 
 
-def parse_override(item: str) -> tuple[list[str], Any]:
-    if "=" not in item:
-        raise ConfigError(f"--set {item}: expected KEY=VALUE")
-    key, raw = item.split("=", 1)
-    key = key.strip()
-    if not key or any(not p for p in key.split(".")):
-        raise ConfigError(f"--set {item}: bad key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.split("."), value
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    out = copy.deepcopy(raw)
-    for item in overrides:
-        path, value = parse_override(item)
-        node = out
-        for i, part in enumerate(path[:-1]):
-            nxt = node.get(part)
-            if nxt is None:
-                nxt = node[part] = {}
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"{'.'.join(path[: i + 1])}: is not a section")
-            node = nxt
-        node[path[-1]] = value
-    return out
-
-
 def config_from_dict(raw: dict[str, Any]) -> Config:
     try:
         return Config.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_format_error(err)) from None
-
-
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"{p}: no such config file")
-    try:
-        raw = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{p}: not valid YAML ({str(err).splitlines()[0]})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{p}: the top level must be a mapping")
-    return raw
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -532,25 +486,3 @@ def check_no_attack(cfg: Config) -> None:
     and a deployed server (``fedasync server``) must refuse them (the CLI exits 2)."""
     if cfg.attack is not None:
         raise ConfigError("attack: simulation only; a deployed server refuses a config with an attack section")
-
-
-def parse_client_set(spec: str, num_clients: int | None = None, key: str = "privacy.overrides.clients") -> set[int]:
-    """'0-9', '3,5,7', '0-4,10' -> a set of client ids. Errors name ``key``."""
-    out: set[int] = set()
-    for part in spec.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            if "-" in part:
-                lo, hi = (int(x) for x in part.split("-", 1))
-                if hi < lo:
-                    raise ValueError
-                out.update(range(lo, hi + 1))
-            else:
-                out.add(int(part))
-        except ValueError:
-            raise ConfigError(f"{key}: bad client set {spec!r}") from None
-    if num_clients is not None and any(c >= num_clients or c < 0 for c in out):
-        raise ConfigError(f"{key}: {spec!r} names a client outside 0-{num_clients - 1}")
-    return out

@@ -143,7 +143,7 @@ def test_scheduler_delay_robust_and_attack_sections():
     assert cfg.attack is None
     cfg = load_config(None, ["server.scheduler.name=fastest", "server.scheduler.beta=2",
                              "server.delay_compensation.method=dc_asgd", "server.delay_compensation.lambda=0.1",
-                             "server.staleness.fn=adaptive", "server.robust.filter=zeno++",
+                             "server.staleness.fn=hinge", "server.robust.filter=zeno++",
                              "server.robust.aggregator=median", "attack.kind=label_flip", "attack.clients=0-9"])
     assert (cfg.server.scheduler.name, cfg.server.scheduler.beta) == ("fastest", 2.0)
     assert cfg.server.delay_compensation.lambda_ == 0.1

@@ -23,8 +23,8 @@ BAD = 3  # the task whose reply is broken
 
 
 def _cfg(strategy="fedasync", **server):
-    s = {"strategy": strategy, "concurrency": 2, "eval_every": 1000, "max_versions": 6, "buffer_size": 2,
-         "max_virtual_time": 500.0, **server}
+    s = {"strategy": strategy, "concurrency": 2, "eval_every": 1000, "max_versions": 6,
+         **({"buffer_size": 2} if strategy == "fedbuff" else {}), "max_virtual_time": 500.0, **server}
     return config_from_dict({"name": "fuzz", "seed": 3,
                              "data": {"dataset": "digits", "num_clients": 4, "partitioner": "iid"},
                              "model": {"name": "mlp", "hidden": 4}, "train": {"local_steps": 1, "batch_size": 8},

@@ -30,7 +30,8 @@ HUGE = F(3e38)  # finite in float32 (max 3.4e38); ten times it is not
 
 
 def _cfg(strategy="fedbuff", **server):
-    s = {"strategy": strategy, "concurrency": 2, "eval_every": 1000, "max_versions": 6, "buffer_size": 2,
+    s = {"strategy": strategy, "concurrency": 2, "eval_every": 1000, "max_versions": 6,
+         **({"buffer_size": 2} if strategy == "fedbuff" else {}),
          "max_virtual_time": 500.0, **server}
     if strategy == "fedavg":
         s.setdefault("clients_per_round", 2)
@@ -250,7 +251,8 @@ def test_a_resumed_run_drops_the_same_aggregation_and_ends_the_same(tmp_path, n,
 def test_the_count_of_rejections_in_a_row_survives_a_resume(tmp_path, strategy, reply, crash):
     """fedasync: NaN replies from task 2 on; fedbuff (K = 2, server_lr 10): huge ones, each pair
     accepted then discarded together. A crash in the middle: the resumed run stops at the same reply."""
-    cfg = _cfg(strategy, concurrency=1, max_rejected_in_a_row=6, max_versions=None, server_lr=10.0)
+    cfg = _cfg(strategy, concurrency=1, max_rejected_in_a_row=6, max_versions=None,
+               **({"server_lr": 10.0} if strategy == "fedbuff" else {}))
     fn = handler(bad=lambda t: t >= 2, reply=reply)
     _, ref, _ = _run(tmp_path / "ref.db", cfg, fn)
     assert ref["stop_reason"] == "no_progress" and ref["updates_received"] == 2 + 6

@@ -65,9 +65,9 @@ def test_virtual_time_orders_replies_by_finish_time(tmp_path):
 
 
 def test_fedbuff_with_k1_and_no_staleness_equals_fedasync(tmp_path):
-    common = ["server.concurrency=1", "server.buffer_size=1", "server.max_versions=15",
-              "server.staleness.fn=polynomial"]
-    fb, _, _ = run(small_config(*common, "server.strategy=fedbuff", "server.server_lr=0.6"), tmp_path, "fb")
+    common = ["server.concurrency=1", "server.max_versions=15", "server.staleness.fn=polynomial"]
+    fb, _, _ = run(small_config(*common, "server.strategy=fedbuff", "server.buffer_size=1", "server.server_lr=0.6"),
+                   tmp_path, "fb")
     fa, _, _ = run(small_config(*common, "server.strategy=fedasync", "server.alpha=0.6"), tmp_path, "fa")
     assert fb["staleness"]["max"] == 0
     assert fb["model_sha256"] == fa["model_sha256"]

@@ -166,6 +166,27 @@ def test_crash_anywhere_then_resume_is_the_uninterrupted_run(tmp_path, tmp_path_
     assert_same_run(summary, ref)
 
 
+MOMENTUM = [("fedbuff", POINTS[3]), ("fedbuff", POINTS[5]), ("fedavg", POINTS[1]), ("fedavg", POINTS[3])]
+
+
+@pytest.mark.parametrize("strategy,point", MOMENTUM, ids=[f"{s}-{p[0]}{p[1]}" for s, p in MOMENTUM])
+def test_server_momentum_survives_a_crash_and_resume(tmp_path, tmp_path_factory, strategy, point):
+    """FedAvgM's velocity is strategy state: a run resumed after a crash ends with the model (sha256)
+    of the run never stopped, and momentum moved that model (it is not the beta = 0 one)."""
+    cfg = make_cfg(strategy, server={"server_momentum": 0.9, "server_lr": 0.7})
+    ref = reference(cfg, tmp_path_factory)
+    assert ref["model_sha256"] != reference(make_cfg(strategy, server={"server_lr": 0.7}),
+                                            tmp_path_factory)["model_sha256"]
+    store = store_at(tmp_path / "s.db")
+    crash_at(store, *point)
+    server = AsyncServer(cfg, LocalTransport(), store)
+    with pytest.raises(Crash):
+        server.run()
+    summary = AsyncServer(cfg, LocalTransport(), store_at(tmp_path / "s.db"), resume_run_id=server.run_id).run()
+    assert summary["stop_reason"] == "max_versions"
+    assert_same_run(summary, ref)
+
+
 def test_crash_twice_then_resume(tmp_path, tmp_path_factory):
     cfg = make_cfg("fedbuff")
     ref = reference(cfg, tmp_path_factory)

@@ -1,5 +1,9 @@
 """Aggregation rules: what the new global model is. Pure array math.
 
+This module holds fedasync, fedbuff and the registry (:func:`make_strategy`); the interface and the
+server optimizer are in :mod:`fedasync.server.strategy_base`, fedavg in :mod:`fedasync.server.fedavg`,
+central DP in :mod:`fedasync.server.central_dp` (all importable from here as before).
+
 A strategy takes one accepted update at a time (:meth:`Strategy.add`) and returns
 the new global model when that update triggers an aggregation, else ``None``.
 *When* to dispatch and *when* replies are taken is the server loop's business
@@ -24,192 +28,35 @@ Rules (``S`` is the staleness function, see :mod:`fedasync.server.staleness`):
   :func:`fedasync.server.robust.aggregate`) the mean of ``u_i = (K w_i / D) D_i`` (``w_i``, ``D``
   the weights and denominator above, so that ``mean(u_i)`` is the step) is replaced by the
   robust estimate: ``x <- x + eta * agg(u_1..u_K)``. ``mean`` keeps the arithmetic above.
-- ``fedavg`` (synchronous, optional backup workers, Chen et al. 2017): a round dispatches
-  ``m + b`` tasks from version ``v``; the first ``m`` updates with ``base_version == v``
-  are aggregated, ``examples``: ``x <- sum n_i x_i / sum n_i``, ``uniform``: ``mean(x_i)``;
-  later ones are rejected by :meth:`Strategy.check` with ``"round_closed"``. When a round closes
-  the server cancels its ``b`` remaining tasks, so that all ``m + b`` workers restart together
-  on the new model (:func:`fedasync.server.control.cancel_dropped`).
+  With ``server.server_momentum`` ``beta > 0`` the step ``d`` (whichever of the above) goes through
+  the server optimizer: ``v <- beta v + d``, ``x <- x + eta v`` (as FedAvgM;
+  :func:`~fedasync.server.strategy_base.server_step`); ``beta = 0``: the arithmetic above.
+- ``fedavg`` (synchronous, optional backup workers, Chen et al. 2017; FedAvgM with
+  ``server_lr``/``server_momentum``): :mod:`fedasync.server.fedavg`.
 
 Arithmetic is float64; results are cast back to each array's dtype. Inputs are never mutated;
 every returned model is a new dict of new arrays. One can overflow to inf (a huge finite update
-times ``server_lr > 1``, or central-DP noise): the server then calls :meth:`Strategy.discard`.
+times ``server_lr > 1``, or central-DP noise): the server then calls :meth:`Strategy.discard`, which
+also puts the server optimizer's velocity back.
 """
 
 from __future__ import annotations
 
-import secrets
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
 from fedasync.config import CentralDPConfig, ServerConfig
 from fedasync.server import robust
+from fedasync.server.central_dp import CentralDP
+from fedasync.server.fedavg import FedAvg
 from fedasync.server.params import Params, Params64, _cast_like, _check_like, _copy, _f64, mean_step, params_norm, params_sha256, params_sub  # noqa: F401
 from fedasync.server.staleness import StalenessFn, make_staleness
+from fedasync.server.strategy_base import (WEIGHTINGS, Strategy, Update, check_server_opt, load_velocity,  # noqa: F401
+                                           no_examples, server_step, velocity_state)
 
-WEIGHTINGS = ("uniform", "examples")
-
-
-# -- updates and the strategy interface ---------------------------------------------
-
-
-@dataclass
-class Update:
-    """One client reply, as the strategy sees it."""
-
-    task_id: int
-    client_id: int
-    params: Params  # the client's new weights x_i
-    base_params: Params  # the global model the client started from (x at base_version)
-    base_version: int
-    staleness: int  # v_now - base_version, computed by the caller
-    num_examples: int
-
-
-def no_examples(weighting: str, update: Update) -> str | None:
-    """``no_examples`` when ``examples`` weighting would give ``update`` no weight (it reports no
-    ``num_examples``): such an update cannot move the model, and a round or buffer of them only
-    would have no weights to normalise; it is rejected with that reason instead."""
-    return "no_examples" if weighting == "examples" and update.num_examples <= 0 else None
-
-
-class Strategy(ABC):
-    """An aggregation rule. Subclasses keep only the buffer they need between calls."""
-
-    name: str = ""
-    synchronous: bool = False
-    _UNDO: tuple[str, ...] = ("_last",)  # what discard() puts back (fedavg: the closed round too)
-
-    def __init__(self) -> None:
-        self._last: list[int] = []
-
-    @abstractmethod
-    def weight(self, update: Update) -> float:
-        """The weight recorded for this update (its share in the aggregation)."""
-
-    def check(self, update: Update, version: int) -> str | None:
-        """A reason to reject ``update`` at server ``version``, or ``None`` to accept it."""
-        return None
-
-    @abstractmethod
-    def add(self, model: Params, update: Update, version: int) -> Params | None:
-        """Take one accepted update; the new global model if it triggers an aggregation."""
-
-    def pending(self) -> list[int]:
-        """Task ids buffered and not yet aggregated."""
-        return []
-
-    def last_aggregated(self) -> list[int]:
-        """Task ids that produced the most recently returned model."""
-        return list(self._last)
-
-    def undo_state(self) -> dict[str, Any]:
-        """Before :meth:`add`: what an aggregation changes besides emptying its buffer (small)."""
-        return {k: getattr(self, k) for k in self._UNDO}
-
-    def discard(self, before: dict[str, Any]) -> None:
-        """Forget the model the last :meth:`add` returned (the server found it non-finite): its
-        updates left the buffer with it (the server rejects them); the rest is put back as
-        ``before`` (:meth:`undo_state`). A central-DP release made stays counted (its noise was drawn)."""
-        self.__dict__.update(before)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"strategy": self.name, "last_aggregated": list(self._last)}
-
-    def load_state_dict(self, d: dict[str, Any]) -> None:
-        if d.get("strategy") != self.name:
-            raise ValueError(f"state is for strategy {d.get('strategy')!r}, not {self.name!r}")
-        self._last = [int(t) for t in d.get("last_aggregated", [])]
-
-
-# -- central DP ---------------------------------------------------------------------
-
-
-class CentralDP:
-    """Client-level central DP for buffered aggregation (the Gaussian mechanism).
-
-    ``privatize`` clips each delta to global L2 norm ``clip``, multiplies it by its weight
-    (the staleness weight, ``<= 1``, so the sensitivity stays ``clip``), sums, and adds
-    ``N(0, (noise_multiplier * clip)^2)`` to every coordinate, drawn in key order.
-    ``releases`` counts the noisy sums released (for the accountant).
-
-    Where the noise comes from: by default (``reproducible=False``) a numpy ``PCG64`` generator
-    seeded with 128 bits of OS entropy (:func:`secrets.randbits`) when this object is made;
-    ``reproducible=True`` (``privacy.reproducible_noise``) derives release ``r``'s noise from
-    ``(seed, r)``.  No generator state is ever persisted (:meth:`state_dict` holds only the
-    release count): a stored state would let anyone who reads the database regenerate the
-    noise and subtract it from the stored model versions.  So a resumed run draws fresh
-    entropy (secret noise), or re-derives each release's noise from the seed and the release
-    index (reproducible noise: a resumed run ends with the same model as one never stopped).
-    PCG64 is not a cryptographically secure generator; see the README's privacy section.
-    """
-
-    def __init__(self, clip: float, noise_multiplier: float, seed: int = 0, reproducible: bool = False) -> None:
-        if clip <= 0:
-            raise ValueError(f"central DP clip must be > 0, got {clip}")
-        if noise_multiplier < 0:
-            raise ValueError(f"central DP noise_multiplier must be >= 0, got {noise_multiplier}")
-        self.clip = float(clip)
-        self.noise_multiplier = float(noise_multiplier)
-        self.seed = int(seed)
-        self.reproducible = bool(reproducible)
-        self._secret = None if self.reproducible else np.random.default_rng(secrets.randbits(128))
-        self.releases = 0
-
-    @property
-    def noise_std(self) -> float:
-        return self.noise_multiplier * self.clip
-
-    def noise_rng(self) -> np.random.Generator:
-        """The generator for the next release (see the class docstring)."""
-        if self._secret is not None:
-            return self._secret
-        return np.random.default_rng(np.random.SeedSequence([self.seed % 2**64, 0xCE17, self.releases]))
-
-    def clip_delta(self, delta: Params) -> Params64:
-        """``delta * min(1, clip / ||delta||)`` in float64."""
-        norm = params_norm(delta)
-        factor = 1.0 if norm <= self.clip else self.clip / norm
-        return {k: np.asarray(v, np.float64) * factor for k, v in delta.items()}
-
-    def privatize(
-        self,
-        deltas: Sequence[Params],
-        rng: np.random.Generator | None = None,
-        *,
-        weights: Sequence[float] | None = None,
-    ) -> Params64:
-        """The noisy sum ``sum_i w_i clip(delta_i) + N(0, std^2 I)`` (float64)."""
-        if not deltas:
-            raise ValueError("privatize: no deltas")
-        rng = self.noise_rng() if rng is None else rng
-        weights = [1.0] * len(deltas) if weights is None else list(weights)
-        if len(weights) != len(deltas):
-            raise ValueError("privatize: one weight per delta")
-        total = {k: np.zeros(np.shape(v), np.float64) for k, v in deltas[0].items()}
-        for d, w in zip(deltas, weights):
-            _check_like(total, d, "central DP delta")
-            for k, v in self.clip_delta(d).items():
-                total[k] += w * v
-        std = self.noise_std
-        for k in total:
-            total[k] = total[k] + rng.normal(0.0, std, size=total[k].shape)
-        self.releases += 1
-        return total
-
-    def state_dict(self) -> dict[str, Any]:
-        """The release count only: never the generator (see the class docstring)."""
-        return {"releases": self.releases, "reproducible": self.reproducible}
-
-    def load_state_dict(self, d: dict[str, Any]) -> None:
-        self.releases = int(d["releases"])  # a state from before 0.x may carry "bit_generator": ignored
-
-
-# -- the strategies -----------------------------------------------------------------
-
+__all__ = ["STRATEGIES", "WEIGHTINGS", "CentralDP", "FedAsync", "FedAvg", "FedBuff", "Strategy", "Update",
+           "make_strategy", "no_examples", "params_norm", "params_sha256", "params_sub"]
 
 class FedAsync(Strategy):
     """``x <- (1 - a_s) x + a_s x_i``, ``a_s = alpha * S(s)``; a new model per update."""
@@ -279,6 +126,7 @@ class FedBuff(Strategy):
 
     name = "fedbuff"
     BACKLOG = "client_backlog"
+    _UNDO = ("_last", "_velocity")
 
     def __init__(
         self,
@@ -289,8 +137,10 @@ class FedBuff(Strategy):
         central_dp: CentralDP | None = None,
         aggregator: str = "mean",
         aggregator_params: dict[str, Any] | None = None,
+        server_momentum: float = 0.0,
     ) -> None:
         super().__init__()
+        check_server_opt("fedbuff", server_lr, server_momentum)
         if buffer_size < 1:
             raise ValueError(f"fedbuff buffer_size must be >= 1, got {buffer_size}")
         if aggregator not in robust.AGGREGATORS:
@@ -303,6 +153,8 @@ class FedBuff(Strategy):
             raise ValueError("fedbuff with central DP needs weighting 'uniform' (sensitivity is per client)")
         self.buffer_size = int(buffer_size)
         self.server_lr = float(server_lr)
+        self.server_momentum = float(server_momentum)
+        self._velocity: Params64 | None = None  # the server optimizer's v (float64), None while beta = 0
         self.staleness_fn = staleness_fn
         self.weighting = weighting
         self.central_dp = central_dp
@@ -358,16 +210,18 @@ class FedBuff(Strategy):
         if self.central_dp is not None:
             x = _f64(model)
             total = self.central_dp.privatize([_delta(e) for e in buf], weights=[e["weight"] for e in buf])
-            new = {k: x[k] + self.server_lr * (total[k] / float(len(buf))) for k in x}
             self._last = [e["task_id"] for e in buf]
-            return _cast_like(new, model)
+            return self._step(model, x, {k: total[k] / float(len(buf)) for k in x})
         uniform = self.weighting == "uniform"
         coef = [e["weight"] if uniform else e["num_examples"] * e["weight"] for e in buf]
         denom = float(len(buf)) if uniform else float(sum(e["num_examples"] for e in buf))
         if not uniform and denom <= 0:
             raise ValueError("fedbuff examples weighting: the buffered updates have 0 examples")
         self._last = [e["task_id"] for e in buf]
-        return mean_step(model, [_delta_source(e) for e in buf], coef, denom, self.server_lr)
+        if self.server_momentum == 0.0:  # x + eta * step in one blocked pass (mean_step)
+            return mean_step(model, [_delta_source(e) for e in buf], coef, denom, self.server_lr)
+        zero = {k: np.zeros(np.shape(v), np.float64) for k, v in model.items()}  # 0 + 1 * step: the step itself
+        return self._step(model, _f64(model), mean_step(zero, [_delta_source(e) for e in buf], coef, denom, 1.0))
 
     def _aggregate_robust(self, model: Params, x: Params64, buf: list[dict[str, Any]]) -> Params:
         k = float(len(buf))
@@ -380,8 +234,12 @@ class FedBuff(Strategy):
             coef = [k * e["num_examples"] * e["weight"] / denom for e in buf]
         u = [c * robust.flat({key: d[key] for key in x}) for c, d in zip(coef, map(_delta, buf))]  # x's key order
         step = robust.unflat(robust.aggregate(u, self.aggregator, **self.aggregator_params), x)
-        new = {key: x[key] + self.server_lr * step[key] for key in x}
         self._last = [e["task_id"] for e in buf]
+        return self._step(model, x, step)
+
+    def _step(self, model: Params, x: Params64, step: Params64) -> Params:
+        """``x`` moved by the server optimizer along ``step`` (``x + eta * step`` when ``beta = 0``)."""
+        new, self._velocity = server_step(x, step, self.server_lr, self.server_momentum, self._velocity)
         return _cast_like(new, model)
 
     def pending(self) -> list[int]:
@@ -393,6 +251,7 @@ class FedBuff(Strategy):
         if self._held:
             d["held"] = [_entry_state(e) for e in self._held]
         d["central_dp"] = self.central_dp.state_dict() if self.central_dp is not None else None
+        d.update(velocity_state(self._velocity))
         return d
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -404,85 +263,11 @@ class FedBuff(Strategy):
 
         self._buffer = entries("buffer")
         self._held = entries("held")
+        self._velocity = load_velocity(d)
         if d.get("central_dp") is not None:
             if self.central_dp is None:
                 raise ValueError("state has central DP but this fedbuff has none")
             self.central_dp.load_state_dict(d["central_dp"])
-
-
-class FedAvg(Strategy):
-    """Synchronous FedAvg: the first ``m`` updates of the current round, ``b`` backups dropped."""
-
-    name = "fedavg"
-    synchronous = True
-    _UNDO = ("_last", "_closed")  # a discarded round is open again: its backups and new tasks refill it
-
-    def __init__(self, clients_per_round: int, backup_workers: int = 0, weighting: str = "examples") -> None:
-        super().__init__()
-        if clients_per_round < 1 or backup_workers < 0:
-            raise ValueError(f"fedavg needs m >= 1 and b >= 0 (m={clients_per_round}, b={backup_workers})")
-        if weighting not in WEIGHTINGS:
-            raise ValueError(f"fedavg weighting must be one of {WEIGHTINGS}, got {weighting!r}")
-        self.clients_per_round = int(clients_per_round)
-        self.backup_workers = int(backup_workers)
-        self.weighting = weighting
-        self._buffer: list[dict[str, Any]] = []
-        self._closed: int | None = None  # the version of the last aggregated round
-
-    @property
-    def round_size(self) -> int:
-        """Tasks to dispatch per round: ``m + b``."""
-        return self.clients_per_round + self.backup_workers
-
-    def weight(self, update: Update) -> float:
-        return float(update.num_examples) if self.weighting == "examples" else 1.0
-
-    def check(self, update: Update, version: int) -> str | None:
-        if update.base_version != version or (self._closed is not None and version <= self._closed):
-            return "round_closed"
-        return no_examples(self.weighting, update)
-
-    def add(self, model: Params, update: Update, version: int) -> Params | None:
-        reason = self.check(update, version)
-        if reason is not None:
-            raise ValueError(f"fedavg: update of task {update.task_id} rejected ({reason}); call check first")
-        _check_like(model, update.params, "update")
-        self._buffer.append(
-            {
-                "task_id": int(update.task_id),
-                "client_id": int(update.client_id),
-                "params": _copy(update.params),
-                "weight": self.weight(update),
-                "base_version": int(update.base_version),
-            }
-        )
-        if len(self._buffer) < self.clients_per_round:
-            return None
-        buf, self._buffer = self._buffer, []
-        denom = float(sum(e["weight"] for e in buf))
-        if denom <= 0:
-            raise ValueError("fedavg examples weighting: the round's updates have 0 examples")
-        total = {k: np.zeros(np.shape(v), np.float64) for k, v in model.items()}
-        for e in buf:
-            for k in total:
-                total[k] += e["weight"] * np.asarray(e["params"][k], np.float64)
-        self._last = [e["task_id"] for e in buf]
-        self._closed = version
-        return _cast_like({k: v / denom for k, v in total.items()}, model)
-
-    def pending(self) -> list[int]:
-        return [e["task_id"] for e in self._buffer]
-
-    def state_dict(self) -> dict[str, Any]:
-        d = super().state_dict()
-        d["buffer"] = [dict(e, params=_copy(e["params"])) for e in self._buffer]
-        d["closed"] = self._closed
-        return d
-
-    def load_state_dict(self, d: dict[str, Any]) -> None:
-        super().load_state_dict(d)
-        self._buffer = [dict(e, params=_copy(e["params"])) for e in d.get("buffer", [])]
-        self._closed = d.get("closed")
 
 
 # -- the registry -------------------------------------------------------------------
@@ -501,6 +286,7 @@ def _fedbuff(cfg: ServerConfig, weighting: str, central_dp: CentralDP | None) ->
         central_dp=central_dp,
         aggregator=cfg.robust.aggregator,
         aggregator_params=robust.aggregator_params(cfg.robust),
+        server_momentum=cfg.server_momentum,
     )
 
 
@@ -509,6 +295,8 @@ def _fedavg(cfg: ServerConfig, weighting: str, central_dp: CentralDP | None) -> 
         clients_per_round=cfg.clients_per_round or cfg.concurrency,
         backup_workers=cfg.backup_workers,
         weighting=weighting,
+        server_lr=cfg.server_lr,
+        server_momentum=cfg.server_momentum,
     )
 
 
