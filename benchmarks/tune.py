@@ -311,8 +311,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return a
 
 
-def tune(a: argparse.Namespace, argv: list[str]) -> dict:
-    """The whole protocol (module docstring) for parsed arguments; the result file's payload."""
+def tune(a: argparse.Namespace, argv: list[str], save: Any = None) -> dict:
+    """The whole protocol (module docstring) for parsed arguments; the result file's payload.
+    ``save(payload)``, when given, gets the tuning phase's payload (``"complete": false``, no report
+    yet) before the report runs start, so a long run that is stopped keeps its tuning results."""
     notes: list[str] = []
     bases = strategy_bases(a.config, a.strategies, a.sets)
     points, budget, knobs = grids(bases, a.budget, a.grid_seed, a.knob, notes)
@@ -339,6 +341,18 @@ def tune(a: argparse.Namespace, argv: list[str]) -> dict:
               for s in a.strategies}
     for s in a.strategies:
         print(f"[tune] {s}: best point {chosen[s]} {points[s][chosen[s]]}", file=sys.stderr)
+    head = {
+        "provenance": provenance(argv),
+        "protocol": {"config": str(a.config), "strategies": a.strategies, "budget": budget, "grid_seed": a.grid_seed,
+                     "knobs": knobs, "tune_seeds": a.tune_seeds, "report_seeds": a.report_seeds,
+                     "target": a.target, "tune_metric": a.target_metric, "report_metric": test_metric,
+                     "val_fraction": a.val_fraction, "eval_every_s": a.eval_every_s, "horizon": a.horizon,
+                     "sets": a.sets, "notes": notes},
+        "variants": variants, "chosen": {s: {"index": chosen[s], "overrides": points[s][chosen[s]]}
+                                         for s in a.strategies},
+    }
+    if save is not None:
+        save({**head, "complete": False, "report_runs": {}, "report": []})
 
     wanted = sorted({(s, i) for s in a.strategies for i in (0, chosen[s])})
     rjobs = [{"strategy": s, "point_index": i, "config": run_config(bases[s], points[s][i], seed=seed,
@@ -357,14 +371,7 @@ def tune(a: argparse.Namespace, argv: list[str]) -> dict:
             rows.append({"comparison": kind, "strategy": s, "point": idx[s], "overrides": points[s][idx[s]], **st[s],
                          "ratio_vs_fedavg": None if not (ref and med) else round(ref / med, 3)})
     return {
-        "provenance": provenance(argv),
-        "protocol": {"config": str(a.config), "strategies": a.strategies, "budget": budget, "grid_seed": a.grid_seed,
-                     "knobs": knobs, "tune_seeds": a.tune_seeds, "report_seeds": a.report_seeds,
-                     "target": a.target, "tune_metric": a.target_metric, "report_metric": test_metric,
-                     "val_fraction": a.val_fraction, "eval_every_s": a.eval_every_s, "horizon": a.horizon,
-                     "sets": a.sets, "notes": notes},
-        "variants": variants, "chosen": {s: {"index": chosen[s], "overrides": points[s][chosen[s]]}
-                                         for s in a.strategies},
+        **head, "complete": True,
         "report_runs": report_runs, "report": rows,
     }
 
@@ -389,8 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     except TuneError as e:
         print(f"tune: {e}", file=sys.stderr)
         return 2
-    payload = tune(a, [str(Path(__file__).relative_to(HERE.parent)), *argv])
-    path = write_result(Path(a.out) if a.out else HERE / "results" / f"{a.name}.json", payload)
+    target = Path(a.out) if a.out else HERE / "results" / f"{a.name}.json"
+    payload = tune(a, [str(Path(__file__).relative_to(HERE.parent)), *argv], save=lambda p: write_result(target, p))
+    path = write_result(target, payload)
     print(table(payload["report"]))
     print(f"[tune] wrote {path}", file=sys.stderr)
     return 0

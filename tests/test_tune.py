@@ -69,14 +69,21 @@ def test_bad_flags_are_one_line(capsys, config):
     assert "--val-fraction" in capsys.readouterr().err
 
 
-def test_a_tiny_tuning_run_writes_one_result_file(config, tmp_path, capsys):
+def test_a_tiny_tuning_run_writes_one_result_file(config, tmp_path, capsys, monkeypatch):
     out = tmp_path / "r.json"
+    written = []
+    real = tune.write_result
+    monkeypatch.setattr(tune, "write_result", lambda path, p: (written.append(json.loads(json.dumps(p))),
+                                                               real(path, p))[1])
     argv = ["--config", str(config), "--strategies", "fedavg,fedbuff", "--budget", "2", "--tune-seeds", "100",
             "--report-seeds", "1", "--target", "0.3", "--horizon", "6", "--name", "tiny", "--out", str(out),
             "--knob", "server.server_lr=1.0,1.5", "--knob", "server.server_momentum=0.0",
             "--knob", "server.concurrency=4"]
     assert tune.main(argv) == 0
     r = json.loads(out.read_text())
+    # the tuning phase is saved before the report runs start; the file ends complete
+    assert [w["complete"] for w in written] == [False, True] and r["complete"] is True
+    assert written[0]["report"] == [] and written[0]["variants"] == r["variants"]
     prov = r["provenance"]
     assert prov["command"].startswith("python benchmarks/tune.py --config") and len(prov["commit"]) == 40
     assert {"nproc", "platform"} <= prov["machine"].keys() and prov["torch"] and prov["date"]
