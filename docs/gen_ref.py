@@ -123,6 +123,7 @@ def config_rows() -> list[tuple[str, str, str, str, str]]:
     """(key, type, default, constraints, description) for every key of the schema, sections first
     then their keys, depth first in the schema's order."""
     from fedasync.config import Config
+    from fedasync.config_effect import applies_to
 
     rows: list[tuple[str, str, str, str, str]] = []
 
@@ -132,6 +133,9 @@ def config_rows() -> list[tuple[str, str, str, str, str]]:
             key = f"{prefix}{field.alias or name}"
             subs = _models(field.annotation)
             desc = notes.get(name, "")
+            only = applies_to(key[len("server."):]) if key.startswith("server.") else None
+            if only:  # fedasync/config_effect.py: set away from its default under another strategy: refused
+                desc = f"{desc} *Applies to {', '.join(only)}.*".strip()
             if subs:
                 sub = subs[0]
                 doc = inspect.getdoc(sub) if sub.__doc__ else ""
@@ -161,7 +165,9 @@ def config_markdown() -> str:
         "source. Sections nest as in YAML; `a[].b` is key `b` of each item of the list `a`. "
         "Any key can be set from the command line with `--set a.b=value`. An unknown key, a wrong type "
         "or a value outside its range stops the command before anything runs, with one line naming "
-        "the key, exit code 2. The annotated quickstart is in [Configuration](../configuration.md).",
+        "the key, exit code 2; so does a key marked *Applies to* set away from its default under another "
+        "`server.strategy` (it would have no effect). The annotated quickstart is in "
+        "[Configuration](../configuration.md).",
         "",
         "| key | type | default | constraints | description |",
         "|---|---|---|---|---|",

@@ -159,7 +159,7 @@ class ServerConfig(_Section):
     # fedbuff and fedavg: the server optimizer on each aggregated step d (FedAvgM, Hsu et al. 2019):
     # v <- server_momentum * v + d; x <- x + server_lr * v
     server_lr: float = Field(1.0, gt=0)
-    server_momentum: float = Field(0.0, ge=0, lt=1)
+    server_momentum: float = Field(0.0, ge=0, lt=1)  # beta of the server optimizer above; 0: none (plain FedAvg/FedBuff)
     # fedavg
     clients_per_round: int | None = Field(None, gt=0)  # m; default: concurrency
     backup_workers: int = Field(0, ge=0)  # b

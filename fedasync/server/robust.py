@@ -234,7 +234,7 @@ class Filter(ABC):
 
 
 class ZenoPlusPlus(Filter):
-    """Zeno++: accept iff ``gamma <v, g~> - rho ||g~||^2 >= -gamma epsilon``, ``g~ = (||v||/||g||) g``."""
+    """Zeno++: accept iff ``gamma <v, g> - rho ||g||^2 >= -gamma epsilon``, ``g`` as sent (``normalize``: ``g ||v||/||g||``)."""
 
     name = "zeno++"
     reason = "zeno"
@@ -263,7 +263,7 @@ class ZenoPlusPlus(Filter):
         self.v_version = int(version)
 
     def score(self, g: np.ndarray) -> float:
-        """``gamma <v, g~> - rho ||g~||^2`` for the flat pseudo-gradient ``g``."""
+        """``gamma <v, g> - rho ||g||^2`` for the flat pseudo-gradient ``g`` (rescaled to ``||v||`` if ``normalize``)."""
         if self.v is None:
             raise RuntimeError("zeno++: no validation gradient yet (call set_validation_gradient first)")
         if g.shape != self.v.shape:

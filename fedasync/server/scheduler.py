@@ -35,12 +35,12 @@ Policies
 - ``uniform`` (default): uniformly at random among the idle clients, from one Generator seeded
   once with the run's seed (the stream of every run before policies existed, unchanged).
 - ``fair``: the idle client with the fewest dispatches so far; ties broken by the seeded stream.
-- ``fastest``: the system utility of Oort (Lai, Zhu, Madhyastha, Chowdhury, "Oort: Efficient
-  federated learning via guided participant selection", OSDI 2021) without its statistical
-  utility. An idle client that has never replied is chosen first (uniformly among such). Otherwise,
-  with probability ``explore`` a uniform choice among the idle clients; else client ``i`` with
-  probability ``p_i = speed_i ** beta / sum_j speed_j ** beta`` over the idle clients that have
-  replied, ``speed_i = 1 / mean(observed durations of i)``.
+- ``fastest``: sampling in proportion to speed. An idle client that has never replied is chosen first
+  (uniformly among such). Otherwise, with probability ``explore`` a uniform choice among the idle
+  clients; else client ``i`` with probability ``p_i = speed_i ** beta / sum_j speed_j ** beta`` over the
+  idle clients that have replied, ``speed_i = 1 / mean(observed durations of i)``. This is not Oort's
+  system utility (Lai et al., OSDI 2021: ``(T / t_i) ** alpha`` for clients slower than a preferred round
+  time ``T``, 1 for the others, times a loss-based statistical utility, top-k exploitation, a pacer on T).
 - ``staleness_aware``: see :class:`StalenessAwareScheduler` (the formula, after CSMAAFL).
 - ``budget_aware``: among the idle clients that can afford another task, the one with the most
   remaining epsilon, then the fewest dispatches, then the seeded stream; a client that cannot
@@ -276,7 +276,7 @@ class _DurationsMixin:
 
 
 class FastestScheduler(_DurationsMixin, Scheduler):
-    """Oort's system utility: untried first, then ``p_i ∝ speed_i ** beta`` with ``explore`` uniform.
+    """Speed-proportional sampling (not Oort's utility): untried first, then ``p_i ∝ speed_i ** beta``, ``explore`` uniform.
 
     ``speed_i = 1 / mean(observed durations of i)``; a client whose mean duration is 0 counts
     as the fastest seen (its speed is capped at ``1e12``).
