@@ -7,8 +7,8 @@
 - ``records.py``: the store rows a reply leaves (untrusted fields coerced).
 - ``control.py``: stopping (signals, the store's ``stopping`` status, no client left).
 - ``progress.py``: liveness (no non-finite version is committed; a run that accepts nothing stops).
-- ``summary.py``: a run's summary.
-- ``strategies.py``, ``staleness.py``, ``scheduler.py``, ``clock.py``, ``validation.py``: pure
+- ``summary.py``: a run's summary; ``evaluation.py``: the evaluation grid and time to target.
+- ``strategies.py`` (with ``fedavg.py``, ``strategy_base.py``, ``central_dp.py``), ``staleness.py``, ``scheduler.py``, ``clock.py``, ``validation.py``: pure
   pieces (aggregation rules, staleness weights, client choice, clocks and speed profiles,
   update checks).
 - ``app.py``: the Flower side (a Transport over Flower's Grid, the ServerApps).
