@@ -46,8 +46,8 @@ def run(
     out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default runs/<name>-gossip-<time>/)."),
     set_: list[str] = typer.Option([], "--set", help="Override a key: --set train.local_steps=5 (repeatable)."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", min=1, help="Averaging steps per peer."),
-    eval_every: Optional[int] = typer.Option(None, "--eval-every", min=1, help="Averaging events between "
-                                             "measurements (default server.eval_every x server.buffer_size)."),
+    eval_every: Optional[int] = typer.Option(None, "--eval-every", min=1, help="Measure every N averaging "
+                                             "events instead of on the server.eval_every_s grid."),
     time_budget: Optional[float] = typer.Option(None, "--time-budget", help="Stop after this many seconds "
                                                 "(wall clock; virtual with --virtual)."),
     emulate_speeds: bool = typer.Option(False, "--emulate-speeds", help="Peer i sleeps its task duration (speed "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from sqlalchemy import update
@@ -91,10 +91,100 @@ def check_serverless(cfg: Config, kind: str) -> None:
     if cfg.privacy.central_dp.enabled:
         raise ServerlessError(f"privacy.central_dp: a {kind} run has no aggregator to add central noise; "
                               "use privacy.local_dp")
+    goal = cfg.server.goal()
+    if goal is not None and goal.metric not in PEER_METRICS:
+        raise ServerlessError(f"server.target.metric: a {kind} run measures {' and '.join(PEER_METRICS)}, "
+                              f"not {goal.metric!r}")
     if kind == "ledger":
         if cfg.server.max_staleness is not None:
             raise ServerlessError("server.max_staleness: not supported by the ledger (every update block "
                                   "is aggregated or stays pending)")
+
+
+# -- when a run evaluates ---------------------------------------------------------------------------
+
+
+PEER_METRICS = ("accuracy", "loss")  # what a ledger or gossip evaluation measures (server.target may name them)
+
+
+class EvalGrid:
+    """When a ledger or gossip run evaluates, its history, and the time to target: the server's rule
+    (:mod:`fedasync.server.evaluation`).
+
+    **The grid** (``server.eval_every_s``; virtual seconds with ``--virtual``, else wall seconds since
+    the run started): one history row per grid time ``g = k * eval_every_s``, for the model current at
+    ``g``; ``evaluate(at)`` makes the row (the caller reuses its metrics while the model has not
+    changed). **Every** ``every`` **model indices** instead when ``server.eval_every_s`` is null, or when
+    ``every`` is given (gossip's ``--eval-every``, as ``server.eval_every`` given alone). **Time to
+    target**: :func:`fedasync.server.evaluation.time_to_target` on the rows (their ``time_s``), with
+    ``server.target_hold``; ``server.target`` or ``target_accuracy`` (accuracy or loss)."""
+
+    def __init__(self, cfg: Config, evaluate: Callable[[float], dict], every: int | None = None,
+                 stop_at_target: bool = True) -> None:
+        s = cfg.server
+        self.every_s: float | None = s.eval_every_s if every is None else None
+        self.every = s.eval_every if every is None else every
+        self.hold = s.target_hold
+        self.goal = s.goal()
+        self.stop_at_target = stop_at_target
+        self.evaluate = evaluate
+        self.history: list[dict] = []
+        self.next_k = 0  # the index of the next grid time to record
+        self.time_to_target: float | None = None
+
+    def record(self, at: float, row: dict | None = None) -> None:
+        """The row of the model current now at time ``at`` (or ``row``, made by the caller); the
+        time to target once it has held."""
+        self.history.append(self.evaluate(at) if row is None else row)
+        if self.goal is not None and self.time_to_target is None and len(self.history) >= self.hold:
+            from fedasync.server.evaluation import time_to_target
+
+            rows = [dict(r, virtual_time_s=r["time_s"]) for r in self.history[-self.hold:]]
+            self.time_to_target = time_to_target(rows, self.goal, self.hold)
+
+    def reached(self) -> bool:
+        """Whether the run stops here: at the target, held ``target_hold`` rows (and stopping asked)."""
+        return self.stop_at_target and self.time_to_target is not None
+
+    def start(self) -> None:
+        """The initial model at time 0 (grid time 0)."""
+        self.record(0.0)
+        self.next_k = 1
+
+    def on_index(self, index: int, now: float) -> None:
+        """After model ``index`` was made at ``now``: the every-``every``-indices cadence (the grid
+        waits for the clock)."""
+        if self.every_s is None and index % self.every == 0:
+            self.record(now)
+
+    def until(self, t: float, inclusive: bool) -> float | None:
+        """Record every grid time before ``t`` (``inclusive``: up to ``t``) not recorded yet; the grid
+        time at which the run stops at the target (:meth:`reached`), else None."""
+        if self.every_s is None:
+            return None
+        while True:
+            g = self.next_k * self.every_s
+            if g > t or (g == t and not inclusive):
+                return None
+            self.record(g)
+            self.next_k += 1
+            if self.reached():
+                return g
+
+    def finish(self, now: float, version: int) -> None:
+        """At the end: the grid up to ``now`` (unless stopped at the target), then the final model
+        (``version``) at ``now`` if it has no row yet."""
+        if not self.reached():
+            self.until(now, inclusive=True)
+        if not self.history or self.history[-1]["version"] != version:
+            self.record(now)
+
+    def summary(self) -> dict:
+        """The summary's keys, as the server's: the target, ``target_hold``, ``eval_every_s``
+        (None: every ``eval_every`` indices)."""
+        return {"target": None if self.goal is None else self.goal.model_dump(), "target_hold": self.hold,
+                "eval_every_s": self.every_s, "eval_every": None if self.every_s is not None else self.every,
+                "time_to_target_s": None if self.time_to_target is None else round(self.time_to_target, 6)}
 
 
 def task_seed(seed: int, task_id: int) -> int:

@@ -161,6 +161,15 @@ def ledger_summary(cfg: Config, store: Store, run_id: int, view, history: list[d
 # -- gossip -----------------------------------------------------------------------------------------
 
 
+def record_gossip_metric(store: Store, run_id: int, m, time_s: float) -> None:
+    """A ``gossip_metrics`` row for measurement ``m`` (:class:`fedasync.serverless.gossip.Metrics`)
+    recorded again at ``time_s``: a grid time at which no averaging event changed the models."""
+    with store.session() as s:
+        s.add(SS.GossipMetric(run_id=run_id, events=m.events, time_s=time_s, accuracy=m.accuracy, loss=m.loss,
+                              min_accuracy=m.min_accuracy, max_accuracy=m.max_accuracy,
+                              consensus_distance=m.consensus_distance, recorded_wall=time.time()))
+
+
 def gossip_summary(cfg: Config, store: Store, run_id: int, topology: str, degree: int, history: list[dict],
                    time_to_target: float | None, stop_reason: str | None, clock: str, time_s: float, wall_s: float,
                    last, privacy=None, extra: dict | None = None) -> dict:

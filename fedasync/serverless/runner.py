@@ -27,10 +27,17 @@ from pathlib import Path
 from typing import Callable
 
 from fedasync.config import Config
-from fedasync.serverless.common import PeerPrivacy, PeerTask, ServerlessError, cap_for_peers, check_serverless
+from fedasync.serverless.common import (
+    EvalGrid,
+    PeerPrivacy,
+    PeerTask,
+    ServerlessError,
+    cap_for_peers,
+    check_serverless,
+)
 from fedasync.private import private_dir, write_private
 from fedasync.serverless.processes import STORE_ENV, spawn, stop_processes
-from fedasync.serverless.report import gossip_summary, ledger_summary, record_eval
+from fedasync.serverless.report import gossip_summary, ledger_summary, record_eval, record_gossip_metric
 from fedasync.serverless.runs import (
     close_peer,
     open_store,
@@ -237,25 +244,32 @@ def run_ledger(cfg: Config, store_url: str, peers: int, out: Path, max_steps: in
     write_private(out / "config.yaml", cfg.to_yaml())
     view = ChainView(store, run_id)
     view.refresh()
-    history: list[dict] = []
-    time_to_target = None
     seen_models = 0
     procs: list = []
     reason = None
     status = "finished"
     t0 = t_wall0
+    last: list = [None]  # (model index, loss, accuracy)
 
-    def evaluate(height: int, index: int) -> None:
-        nonlocal time_to_target
-        if history and history[-1]["version"] == index:
-            return
-        loss, acc = task.evaluate(view.params(height))
-        record_eval(store, run_id, height, index, loss, acc)
-        t = max(0.0, view.blocks[height].created - t0)
-        history.append({"version": index, "height": height, "time_s": round(t, 3), "virtual_time_s": None,
-                        "wall_time_s": round(t, 3), "accuracy": acc, "loss": loss})
-        if time_to_target is None and cfg.server.target_accuracy is not None and acc >= cfg.server.target_accuracy:
-            time_to_target = t
+    def evaluate_index(index: int, at: float) -> dict:
+        height = view.models[index]
+        if last[0] is None or last[0][0] != index:
+            loss, acc = task.evaluate(view.params(height))
+            record_eval(store, run_id, height, index, loss, acc)
+            last[0] = (index, loss, acc)
+        _, loss, acc = last[0]
+        return {"version": index, "height": height, "time_s": round(at, 3), "virtual_time_s": None,
+                "wall_time_s": round(at, 3), "accuracy": acc, "loss": loss}
+
+    def created(index: int) -> float:
+        return max(0.0, view.blocks[view.models[index]].created - t0)
+
+    def evaluate(at: float) -> dict:  # the grid: the last model block created by ``at``
+        index = max((i for i in range(len(view.models)) if created(i) <= at), default=0)
+        return evaluate_index(index, at)
+
+    grid = EvalGrid(cfg, evaluate)
+    history = grid.history
 
     argvs = [["ledger", "peer", "--peer-id", str(i), "--run-id", str(run_id),
               "--key", str(keys / f"peer-{i}.key")] + (["--emulate-speeds"] if emulate else [])
@@ -263,17 +277,21 @@ def run_ledger(cfg: Config, store_url: str, peers: int, out: Path, max_steps: in
     codes: list = []
     try:
         t0 = _launch(store, run_id, peers, argvs, out / "logs", start_timeout_s, procs, store_url)
-        evaluate(0, 0)
+        grid.start()
         while True:
+            now = time.time() - t0
             view.refresh()
-            for idx in range(seen_models + 1, len(view.models)):
-                if idx % cfg.server.eval_every == 0:
-                    evaluate(view.models[idx], idx)
+            if grid.every_s is None:  # every eval_every model indices, at the time its block was made
+                for idx in range(seen_models + 1, len(view.models)):
+                    if idx % grid.every == 0:
+                        grid.record(created(idx), evaluate_index(idx, created(idx)))
+            else:
+                grid.until(now, inclusive=True)
             seen_models = len(view.models) - 1
-            progress({"version": view.num_aggregates, "height": view.height, "time_s": time.time() - t0,
+            progress({"version": view.num_aggregates, "height": view.height, "time_s": now,
                       "accuracy": history[-1]["accuracy"] if history else None, "max_steps": max_aggr,
                       "max_time": cfg.server.max_wall_time})
-            if time_to_target is not None:
+            if grid.time_to_target is not None:
                 reason = "target_accuracy"
                 break
             if max_aggr is not None and view.num_aggregates >= max_aggr:
@@ -298,14 +316,14 @@ def run_ledger(cfg: Config, store_url: str, peers: int, out: Path, max_steps: in
         stop_run(store, run_id, status, reason)  # peers see the run stop and exit
         codes = stop_processes(procs, grace_s=peer_grace_s)
     view.refresh()
-    evaluate(view.models[-1], view.num_aggregates)
+    grid.finish(time.time() - t0, view.num_aggregates)  # the grid up to now, then the final model
     privacy = PeerPrivacy(cfg, store, run_id) if cfg.privacy.local_dp.enabled else None
     pstats = _peer_stats(store, run_id)
-    summary = ledger_summary(cfg, store, run_id, view, history, time_to_target, reason, "wall",
+    summary = ledger_summary(cfg, store, run_id, view, history, grid.time_to_target, reason, "wall",
                              time.time() - t0, time.time() - t_wall0, privacy=privacy,
                              conflicts=sum(int(p.get("conflicts", 0)) for p in pstats.values()),
-                             extra={"peers": pstats, "peer_exit_codes": codes, "emulate_speeds": emulate,
-                                    "peer_logs": str(out / "logs")})
+                             extra={**grid.summary(), "peers": pstats, "peer_exit_codes": codes,
+                                    "emulate_speeds": emulate, "peer_logs": str(out / "logs")})
     stop_run(store, run_id, status, reason, summary)
     return summary
 
@@ -367,48 +385,56 @@ def run_gossip(cfg: Config, store_url: str, peers: int, out: Path, topology: str
     n_local = _local_peers(cfg, peers, spawn_peers)
     progress = progress or (lambda ev: None)
     store = open_store(store_url)
-    eval_every = eval_every or cfg.server.eval_every * cfg.server.buffer_size
+    every = eval_every or cfg.server.eval_every * cfg.server.buffer_size
+    on_grid = eval_every is None and cfg.server.eval_every_s is not None
     private_dir(out)
     task = PeerTask(cfg)
     t_wall0 = time.time()
     run_id = create_gossip(store, cfg, topology, degree, "wall",
-                           {"max_steps": max_steps, "eval_every": eval_every, "max_wall_time": cfg.server.max_wall_time,
+                           {"max_steps": max_steps, "eval_every": None if on_grid else every,
+                            "eval_every_s": cfg.server.eval_every_s if on_grid else None, "max_wall_time": cfg.server.max_wall_time,
                             "emulate": emulate}, task.init)
     set_starting(store, run_id)
     write_private(out / "config.yaml", cfg.to_yaml())
-    history: list[dict] = []
-    time_to_target = None
     last = None
     procs: list = []
     reason = None
     status = "finished"
     t0 = t_wall0
+    n = 0  # averaging events when last polled
 
-    def record(events: int) -> None:
-        nonlocal time_to_target, last
-        t = time.time() - t0
-        m = measure(store, run_id, task, events, t)
-        last = m
-        history.append(dict(m.row(), version=events, virtual_time_s=None, wall_time_s=round(t, 3)))
-        if time_to_target is None and cfg.server.target_accuracy is not None and m.accuracy >= cfg.server.target_accuracy:
-            time_to_target = t
+    def evaluate(at: float) -> dict:  # the models as they are now (the events counted at the poll)
+        nonlocal last
+        if last is None or last.events != n:
+            last = measure(store, run_id, task, n, at)
+        else:
+            record_gossip_metric(store, run_id, last, at)
+        return dict(last.row(), time_s=round(at, 3), version=n, virtual_time_s=None, wall_time_s=round(at, 3))
+
+    grid = EvalGrid(cfg, evaluate, every=eval_every)
+    if grid.every_s is None:
+        grid.every = every
+    history = grid.history
 
     argvs = [["gossip", "peer", "--peer-id", str(i), "--run-id", str(run_id)]
              + (["--emulate-speeds"] if emulate else []) for i in range(n_local)]
     codes: list = []
     try:
         t0 = _launch(store, run_id, peers, argvs, out / "logs", start_timeout_s, procs, store_url)
-        record(0)
-        next_eval = eval_every
+        grid.start()
+        next_eval = grid.every
         while True:
             n = event_count(store, run_id)
-            if n >= next_eval:
-                record(n)
-                next_eval = (n // eval_every + 1) * eval_every
+            now = time.time() - t0
+            if grid.every_s is not None:
+                grid.until(now, inclusive=True)
+            elif n >= next_eval:  # every eval_every events, measured when the poll sees them
+                grid.record(now)
+                next_eval = (n // grid.every + 1) * grid.every
             progress({"version": n, "time_s": time.time() - t0, "accuracy": history[-1]["accuracy"],
                       "consensus_distance": history[-1]["consensus_distance"], "max_time": cfg.server.max_wall_time,
                       "max_steps": None if max_steps is None else max_steps * peers})
-            if time_to_target is not None:
+            if grid.time_to_target is not None:
                 reason = "target_accuracy"
                 break
             if cfg.server.max_wall_time is not None and time.time() - t0 >= cfg.server.max_wall_time:
@@ -428,12 +454,11 @@ def run_gossip(cfg: Config, store_url: str, peers: int, out: Path, topology: str
         stop_run(store, run_id, status, reason)
         codes = stop_processes(procs, grace_s=peer_grace_s)
     n = event_count(store, run_id)
-    if not history or history[-1]["events"] != n:
-        record(n)
+    grid.finish(time.time() - t0, n)  # the grid up to now, then the final models
     privacy = PeerPrivacy(cfg, store, run_id) if cfg.privacy.local_dp.enabled else None
-    summary = gossip_summary(cfg, store, run_id, topology, degree, history, time_to_target, reason, "wall",
+    summary = gossip_summary(cfg, store, run_id, topology, degree, history, grid.time_to_target, reason, "wall",
                              time.time() - t0, time.time() - t_wall0, last, privacy,
-                             extra={"peers": _peer_stats(store, run_id), "peer_exit_codes": codes,
+                             extra={**grid.summary(), "peers": _peer_stats(store, run_id), "peer_exit_codes": codes,
                                     "emulate_speeds": emulate, "peer_logs": str(out / "logs")})
     stop_run(store, run_id, status, reason, summary)
     return summary

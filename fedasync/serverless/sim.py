@@ -33,8 +33,8 @@ from typing import Callable
 from fedasync.config import Config
 from fedasync.server.clock import VirtualClock
 from fedasync.server.scheduler import make_scheduler
-from fedasync.serverless.common import PeerPrivacy, PeerTask, check_serverless
-from fedasync.serverless.report import gossip_summary, ledger_summary, record_eval
+from fedasync.serverless.common import EvalGrid, PeerPrivacy, PeerTask, check_serverless
+from fedasync.serverless.report import gossip_summary, ledger_summary, record_eval, record_gossip_metric
 from fedasync.serverless.runs import run_info, stop_run
 from fedasync.store import Store
 
@@ -43,11 +43,6 @@ Progress = Callable[[dict], None]
 
 def _privacy(cfg: Config, store: Store, run_id: int):
     return PeerPrivacy(cfg, store, run_id) if cfg.privacy.local_dp.enabled else None
-
-
-def _target_hit(cfg: Config, acc: float) -> bool:
-    t = cfg.server.target_accuracy
-    return t is not None and acc >= t
 
 
 # -- ledger ------------------------------------------------------------------------------------
@@ -84,31 +79,30 @@ def simulate_ledger(cfg: Config, store: Store, max_steps: int | None = None, pro
     live: dict[int, _Live] = {}
     idle = list(range(n))
     exhausted: set[int] = set()
-    history: list[dict] = []
     next_task = 0
-    time_to_target = None
     stop_reason = None
     limit = cfg.server.max_virtual_time
     view = peers[0].view
+    last: list = [None]  # (model index, loss, accuracy): reused while the head model stands
 
-    def evaluate(height: int, index: int) -> None:
-        nonlocal time_to_target
-        if history and history[-1]["version"] == index:
-            return
-        loss, acc = task.evaluate(view.params(height))
-        record_eval(store, run_id, height, index, loss, acc)
-        history.append({"version": index, "height": height, "time_s": round(clock.now, 6),
-                        "virtual_time_s": round(clock.now, 6), "wall_time_s": round(time.time() - t_wall0, 3),
-                        "accuracy": acc, "loss": loss})
-        if time_to_target is None and _target_hit(cfg, acc):
-            time_to_target = clock.now
+    def evaluate(at: float) -> dict:
+        index, height = view.num_aggregates, view.models[-1]
+        if last[0] is None or last[0][0] != index:
+            loss, acc = task.evaluate(view.params(height))
+            record_eval(store, run_id, height, index, loss, acc)
+            last[0] = (index, loss, acc)
+        _, loss, acc = last[0]
+        return {"version": index, "height": height, "time_s": round(at, 6), "virtual_time_s": round(at, 6),
+                "wall_time_s": round(time.time() - t_wall0, 3), "accuracy": acc, "loss": loss}
 
-    evaluate(0, 0)
+    grid = EvalGrid(cfg, evaluate, stop_at_target=stop_at_target)
+    history = grid.history
+    grid.start()
     while True:
         if max_aggr is not None and view.num_aggregates >= max_aggr:
             stop_reason = "max_steps"
             break
-        if stop_at_target and time_to_target is not None:
+        if grid.reached():
             stop_reason = "target_accuracy"
             break
         cand = sorted(c for c in idle if c not in exhausted)
@@ -123,7 +117,13 @@ def simulate_ledger(cfg: Config, store: Store, max_steps: int | None = None, pro
             stop_reason = "no_peer_can_train"
             break
         tmin = min(lv.finish for lv in live.values())
-        if limit is not None and tmin > limit:
+        over = limit is not None and tmin > limit
+        at_target = grid.until(limit if over else tmin, inclusive=over)  # the grid times passed
+        if at_target is not None:
+            clock.advance_to(at_target)
+            stop_reason = "target_accuracy"
+            break
+        if over:
             clock.advance_to(limit)
             stop_reason = "max_virtual_time"
             break
@@ -138,18 +138,18 @@ def simulate_ledger(cfg: Config, store: Store, max_steps: int | None = None, pro
             p.append_update(lv.work, created=clock.now)
             h = p.try_aggregate(created=clock.now)
             view.refresh()
-            if h is not None and view.model_index[h] % cfg.server.eval_every == 0:
-                evaluate(h, view.model_index[h])
+            if h is not None:
+                grid.on_index(view.model_index[h], clock.now)
             idle.append(lv.peer)
         view.refresh()
         progress({"version": view.num_aggregates, "height": view.height, "time_s": clock.now,
                   "accuracy": history[-1]["accuracy"] if history else None, "max_steps": max_aggr,
                   "max_time": limit})
     view.refresh()
-    evaluate(view.models[-1], view.num_aggregates)
-    summary = ledger_summary(cfg, store, run_id, view, history, time_to_target, stop_reason, "virtual",
+    grid.finish(clock.now, view.num_aggregates)
+    summary = ledger_summary(cfg, store, run_id, view, history, grid.time_to_target, stop_reason, "virtual",
                              clock.now, time.time() - t_wall0, conflicts=sum(p.conflicts for p in peers),
-                             privacy=privacy)
+                             privacy=privacy, extra=grid.summary())
     stop_run(store, run_id, "finished", stop_reason, summary)
     return summary
 
@@ -162,44 +162,49 @@ def simulate_gossip(cfg: Config, store: Store, topology: str = "ring", degree: i
                     progress: Progress | None = None, stop_at_target: bool = True) -> dict:
     """Run gossip with ``data.num_clients`` peers on the virtual clock; the summary.
 
-    ``max_steps``: averaging steps per peer. ``eval_every``: averaging events between
-    measurements (default ``server.eval_every * server.buffer_size``: as many local trainings
-    as the server runs between evaluations)."""
+    ``max_steps``: averaging steps per peer. Measured (the average model, every peer, the consensus
+    distance) on the ``server.eval_every_s`` grid, as the server evaluates; ``eval_every`` given, or
+    ``server.eval_every_s`` null: every ``eval_every`` averaging events instead (default
+    ``server.eval_every * server.buffer_size``: as many local trainings as the server runs between
+    evaluations)."""
     from fedasync.serverless.gossip import GossipPeer, create_gossip, measure
 
     check_serverless(cfg, "gossip")
     t_wall0 = time.time()
     n = cfg.data.num_clients
-    eval_every = eval_every or cfg.server.eval_every * cfg.server.buffer_size
+    every = eval_every
     task = PeerTask(cfg)
-    run_id = create_gossip(store, cfg, topology, degree, "virtual",
-                           {"max_steps": max_steps, "eval_every": eval_every}, task.init)
-    nb = run_info(store, run_id).settings["neighbours"]
-    privacy = _privacy(cfg, store, run_id)
-    peers = [GossipPeer(store, run_id, i, task, nb[i], cfg.seed, privacy, step_order=cfg.gossip.step_order)
-             for i in range(n)]
+    eval_every = eval_every or cfg.server.eval_every * cfg.server.buffer_size
     progress = progress or (lambda ev: None)
     clock = VirtualClock()
     heap: list[tuple[float, int]] = []
     works: dict[int, object] = {}
-    history: list[dict] = []
     events = 0
-    time_to_target = None
     stop_reason = None
     limit = cfg.server.max_virtual_time
     exhausted: set[int] = set()
     last = None
 
-    def record() -> None:
-        nonlocal time_to_target, last
-        if history and history[-1]["events"] == events:
-            return
-        m = measure(store, run_id, task, events, clock.now)
-        last = m
-        history.append(dict(m.row(), version=events, virtual_time_s=round(clock.now, 6),
-                            wall_time_s=round(time.time() - t_wall0, 3)))
-        if time_to_target is None and _target_hit(cfg, m.accuracy):
-            time_to_target = clock.now
+    def evaluate(at: float) -> dict:
+        nonlocal last
+        if last is None or last.events != events:
+            last = measure(store, run_id, task, events, at)
+        else:  # the same models: the same measurement, recorded at this time
+            record_gossip_metric(store, run_id, last, at)
+        return dict(last.row(), time_s=round(at, 6), version=events, virtual_time_s=round(at, 6),
+                    wall_time_s=round(time.time() - t_wall0, 3))
+
+    grid = EvalGrid(cfg, evaluate, every=every, stop_at_target=stop_at_target)
+    if grid.every_s is None:
+        grid.every = eval_every
+    run_id = create_gossip(store, cfg, topology, degree, "virtual",
+                           {"max_steps": max_steps, "eval_every": grid.every if grid.every_s is None else None,
+                            "eval_every_s": grid.every_s}, task.init)
+    nb = run_info(store, run_id).settings["neighbours"]
+    privacy = _privacy(cfg, store, run_id)
+    peers = [GossipPeer(store, run_id, i, task, nb[i], cfg.seed, privacy, step_order=cfg.gossip.step_order)
+             for i in range(n)]
+    history = grid.history
 
     def start(i: int) -> None:
         p = peers[i]
@@ -207,19 +212,25 @@ def simulate_gossip(cfg: Config, store: Store, topology: str = "ring", degree: i
         works[i] = st
         heapq.heappush(heap, (clock.now + task.duration(i, st.task_id), i))
 
-    record()
+    grid.start()
     for i in range(n):
         if max_steps is None or max_steps > 0:
             start(i)
     while True:
-        if stop_at_target and time_to_target is not None:
+        if grid.reached():
             stop_reason = "target_accuracy"
             break
         if not heap:
             stop_reason = "max_steps" if not exhausted else "no_peer_can_train"
             break
         t, i = heap[0]
-        if limit is not None and t > limit:
+        over = limit is not None and t > limit
+        at_target = grid.until(limit if over else t, inclusive=over)  # the grid times passed
+        if at_target is not None:
+            clock.advance_to(at_target)
+            stop_reason = "target_accuracy"
+            break
+        if over:
             clock.advance_to(limit)
             stop_reason = "max_virtual_time"
             break
@@ -232,15 +243,14 @@ def simulate_gossip(cfg: Config, store: Store, topology: str = "ring", degree: i
             continue
         peers[i].finish_step(st, virtual_time=clock.now)
         events += 1
-        if events % eval_every == 0:
-            record()
+        grid.on_index(events, clock.now)
         if max_steps is None or peers[i].steps_done < max_steps:
             start(i)
         progress({"version": events, "time_s": clock.now, "accuracy": history[-1]["accuracy"],
                   "consensus_distance": history[-1]["consensus_distance"], "max_time": limit,
                   "max_steps": None if max_steps is None else max_steps * n})
-    record()
-    summary = gossip_summary(cfg, store, run_id, topology, degree, history, time_to_target, stop_reason, "virtual",
-                             clock.now, time.time() - t_wall0, last, privacy)
+    grid.finish(clock.now, events)
+    summary = gossip_summary(cfg, store, run_id, topology, degree, history, grid.time_to_target, stop_reason,
+                             "virtual", clock.now, time.time() - t_wall0, last, privacy, extra=grid.summary())
     stop_run(store, run_id, "finished", stop_reason, summary)
     return summary
