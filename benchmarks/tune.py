@@ -315,6 +315,7 @@ def tune(a: argparse.Namespace, argv: list[str], save: Any = None) -> dict:
     """The whole protocol (module docstring) for parsed arguments; the result file's payload.
     ``save(payload)``, when given, gets the tuning phase's payload (``"complete": false``, no report
     yet) before the report runs start, so a long run that is stopped keeps its tuning results."""
+    prov = provenance(argv)  # the code the runs start on (a commit made during a long run is not theirs)
     notes: list[str] = []
     bases = strategy_bases(a.config, a.strategies, a.sets)
     points, budget, knobs = grids(bases, a.budget, a.grid_seed, a.knob, notes)
@@ -342,7 +343,7 @@ def tune(a: argparse.Namespace, argv: list[str], save: Any = None) -> dict:
     for s in a.strategies:
         print(f"[tune] {s}: best point {chosen[s]} {points[s][chosen[s]]}", file=sys.stderr)
     head = {
-        "provenance": provenance(argv),
+        "provenance": {**prov, "finished": provenance(argv)["date"]},
         "protocol": {"config": str(a.config), "strategies": a.strategies, "budget": budget, "grid_seed": a.grid_seed,
                      "knobs": knobs, "tune_seeds": a.tune_seeds, "report_seeds": a.report_seeds,
                      "target": a.target, "tune_metric": a.target_metric, "report_metric": test_metric,
