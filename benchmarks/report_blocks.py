@@ -94,32 +94,10 @@ def _qs_rows(summary: dict, prefix: str = "") -> str:
     return "\n".join(rows) + "\n"
 
 
-def _legacy(d: dict) -> dict:
-    """A comparison.json of one run (the file before ``benchmarks/quickstart.py``) in the shape of
-    :func:`quickstart.run`'s: one seed, each figure its own median, min and max."""
-    one = lambda v: {"median": v, "min": v, "max": v, "missed": int(v is None)}  # noqa: E731
-    summary = {}
-    for label, s in d["strategies"].items():
-        f = {"versions": s["versions"], "updates": s["updates_received"], "rejected": s["updates_rejected"],
-             "time_to_target_s": s["time_to_target_s"], "ratio": d["time_to_target_ratio"][label],
-             "final_accuracy": s["final_accuracy"], "best_accuracy": s["best_accuracy"],
-             "staleness_mean": s["staleness"]["mean"], "staleness_p95": s["staleness"]["p95"]}
-        summary[label] = {k: one(v) for k, v in f.items()}
-    seed = next(iter(d["strategies"].values()))["seed"]
-    return {"seeds": [seed], "horizon_s": next(iter(d["strategies"].values()))["virtual_time_s"],
-            "backend": "flower", "summary": summary,
-            "protocol": "old protocol: one seed, the model evaluated after every version, the target met by "
-                        "the first evaluation at 90 %; the file predates e3550f2, which changed every run with "
-                        "backup workers, so its backup-workers row no longer reproduces"}
-
-
 def quickstart_table(results: Path) -> str:
-    """The quickstart comparison: medians over the seeds (min–max), defaults and, when
-    ``quickstart_tuning.json`` holds a summary of the same shape, tuned."""
+    """The quickstart comparison at defaults: medians over the seeds (min–max)."""
     name = "quickstart_comparison.json"
     d = load(results, name)
-    if "seeds" not in d:
-        d = _legacy(d)
     many = len(d["seeds"]) > 1
     how = (f"seeds {', '.join(str(x) for x in d['seeds'])} (medians, min–max in brackets)" if many
            else f"seed {d['seeds'][0]}")
@@ -127,11 +105,6 @@ def quickstart_table(results: Path) -> str:
     out = (f"The packaged quickstart under four strategies, to {fmt(d['horizon_s'], 0)} virtual s, {how}, every key "
            f"at its default, {where}: {made_by(results, name)}"
            + (f"; {d['protocol']}" if d.get("protocol") else "") + ".\n\n" + QS_HEAD + _qs_rows(d["summary"]))
-    if (results / "quickstart_tuning.json").is_file():
-        t = load(results, "quickstart_tuning.json")
-        if isinstance(t.get("summary"), dict):
-            out += _qs_rows(t["summary"], "tuned: ")
-            out += f"\nTuned rows: {made_by(results, 'quickstart_tuning.json')}.\n"
     s = d["summary"]
     r = {k: s[k]["ratio"]["median"] for k in s}
     if r.get("fedbuff") and r.get("fedasync"):
@@ -141,6 +114,31 @@ def quickstart_table(results: Path) -> str:
                 f"synchronous FedAvg on the virtual clock and FedAsync {fmt(r['fedasync'], 2)}× sooner")
         b = r.get("fedavg-backup_workers=4")
         out += (f"; FedAvg with backup workers (b = 4) {fmt(b, 2)}×.\n" if b else ".\n")
+    return out
+
+
+def quickstart_tuning(results: Path) -> str:
+    """Defaults vs defaults and tuned vs tuned (``benchmarks/tune.py``): each strategy's grid of
+    the same size scored on validation over the tuning seeds, the chosen point and the defaults
+    reported on test over other seeds."""
+    name = "quickstart_tuning.json"
+    d = load(results, name)
+    p = d["protocol"]
+    seeds = lambda xs: ", ".join(str(x) for x in xs)  # noqa: E731
+    out = (f"Tuned on validation, reported on test: each strategy gets {p['budget']} points of its knobs "
+           f"({'; '.join(f'{k}: ' + ', '.join(p['knobs'][k]) for k in p['strategies'])}), scored by the median "
+           f"time to {p['target']:g} `{p['tune_metric']}` ({p['val_fraction']:g} of the training data held out) "
+           f"over seeds {seeds(p['tune_seeds'])}; the defaults and the chosen point then run on seeds "
+           f"{seeds(p['report_seeds'])} to {fmt(p['horizon'], 0)} virtual s, the target on test "
+           f"(`{p['report_metric']}`, held for `server.target_hold` evaluations in a row on the "
+           f"{p['eval_every_s']:g}-s grid): {made_by(results, name)}.\n\n"
+           f"| comparison | strategy | setting | time to {p['target']:g} on test (virtual s) | reached | ratio vs fedavg |\n"
+           "|---|---|---|---|---|---|\n")
+    for r in d["report"]:
+        setting = ", ".join(f"`{k.split('.')[-1]}` {v:g}" for k, v in r["overrides"].items())
+        span = f" ({fmt(r['min_s'], 1)}–{fmt(r['max_s'], 1)})" if r["min_s"] != r["max_s"] else ""
+        out += (f"| {r['comparison']} | {r['strategy']} | {setting} | {fmt(r['median_s'], 1)}{span} | "
+                f"{r['reached']} | {fmt(r['ratio_vs_fedavg'], 2)} |\n")
     return out
 
 
@@ -303,6 +301,7 @@ def deployment_table(results: Path) -> str:
 
 GENERATORS: dict[str, Callable[[Path], str]] = {
     "quickstart-table": quickstart_table,
+    "quickstart-tuning": quickstart_tuning,
     "readme-mnist-wallclock": readme_mnist_wallclock,
     "wall-clock-table": wall_clock_table,
     "wall-clock-runs": wall_clock_runs,
