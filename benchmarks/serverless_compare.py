@@ -17,8 +17,13 @@ command (printed in the report):
     python benchmarks/serverless_compare.py --wall          # plus peer processes (several minutes)
     python benchmarks/serverless_compare.py --step-orders paper   # one gossip step order only
 
-For gossip the table gives the average model's accuracy, the worst peer's own model, and the
-consensus distance ``(1/N) Σ_i ||x_i - x̄||²`` when the run stopped and averaged over the run.
+Every variant is evaluated on the same grid and scored by the same rule, the server's
+(issue 34): the model current at every ``server.eval_every_s`` (default 2 virtual s; wall seconds
+since the start for peer processes), and the time to target is the first grid time from which
+the target holds ``server.target_hold`` evaluations in a row (default 3;
+:func:`fedasync.server.evaluation.time_to_target`); each row records both. For gossip the table
+gives the average model's accuracy, the worst peer's own model, and the consensus distance
+``(1/N) Σ_i ||x_i - x̄||²`` when the run stopped and averaged over the run.
 
 Writes ``benchmarks/results/serverless_compare.{json,md}`` and the section between
 ``<!-- serverless:begin -->`` and ``<!-- serverless:end -->`` of ``benchmarks/README.md``
@@ -93,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[virtual] fedasync {shlex.join(args)}", flush=True)
             s, secs = run_cmd(args, Path(tmp) / key)
             row = {"variant": label, "key": key, "command": "fedasync " + shlex.join(args),
-                   "target": s["target_accuracy"], "virtual_time_to_target_s": s["time_to_target_s"],
+                   "target": s["target_accuracy"], "target_hold": s["target_hold"],
+                   "eval_every_s": s["eval_every_s"], "virtual_time_to_target_s": s["time_to_target_s"],
                    "updates_to_target": _updates_to_target(s), "final_accuracy": s["final_accuracy"],
                    "model_sha256": s["model_sha256"], "run_wall_s": round(secs, 1)}
             if key.startswith("gossip"):
@@ -112,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
                             "wall_final_accuracy": w["final_accuracy"]})
             rows.append(row)
             print(f"          -> {row['virtual_time_to_target_s']} virtual s to {row['target']}", flush=True)
+    grids = {(r["eval_every_s"], r["target_hold"]) for r in rows}
+    if len(grids) != 1:  # one grid and one rule, or the comparison is not one
+        raise SystemExit(f"the variants were not evaluated on one grid: (eval_every_s, target_hold) {sorted(grids)}")
     md = render(rows, n, a)
     a.results.mkdir(parents=True, exist_ok=True)
     from provenance import provenance, write_result  # benchmarks/: on sys.path when run as a script
@@ -123,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _updates_to_target(s: dict) -> int | None:
-    """Local trainings done when the target was first reached (server: K per version)."""
+    """Local trainings done at the time to target (the first of the held evaluations; server: K per
+    version)."""
     t = s.get("time_to_target_s")
     if t is None:
         return None
@@ -145,8 +155,12 @@ def render(rows: list[dict], n: int, a) -> str:
         "",
         f"Quickstart scenario (digits, Dirichlet α = 0.5, MLP, log-normal speeds, seed 0) with {n} clients / peers; "
         f"the server keeps all {n} busy (`server.concurrency={n}`, FedBuff K = 10). Virtual seconds come from the "
-        "deterministic modes (the same speed profiles and task durations as `fedasync simulate`); "
-        "local trainings = updates the learners had made when the target was first measured; for gossip, "
+        "deterministic modes (the same speed profiles and task durations as `fedasync simulate`). "
+        f"Every variant is evaluated on the same grid, every {_fmt(rows[0].get('eval_every_s'), 1)} virtual s, "
+        "and its time to 90 % is the first grid time from which accuracy ≥ 90 % holds for "
+        f"{rows[0].get('target_hold')} evaluations in a row (the server's rule, `server.eval_every_s`, "
+        "`server.target_hold`); "
+        "local trainings = updates the learners had made at that time; for gossip, "
         "the accuracy is the average model's, the worst peer's own model is shown beside it, and the consensus "
         "distance (1/N) Σ ||x_i − x̄||² is given when the run stopped and averaged over its measurements. "
         "Gossip step orders (`gossip.step_order`): `paper` = AD-PSGD / A(DP)²SGD (x_j ← (x_i + x_j)/2, "

@@ -122,7 +122,7 @@ def test_eval_every_keeps_the_index_cadence(tmp_path):
 
 
 def test_a_target_on_a_metric_the_peers_do_not_measure_is_one_line(tmp_path):
-    cfg = cfg_of("server.target.metric=f1", "server.target.value=0.5")
+    cfg = cfg_of("server.target.metric=f1", "server.target.value=0.5", "server.max_versions=2")
     with pytest.raises(ServerlessError, match=r"^server\.target\.metric: a ledger run measures accuracy and loss, "
                                               r"not 'f1'$"):
         simulate_ledger(cfg, store(tmp_path, "l"))
