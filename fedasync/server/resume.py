@@ -1,7 +1,7 @@
 """Crash safety and resume: what the loop commits so that a stopped or killed run can go on.
 
-Every batch of dispatches is committed with :func:`loop_state` (strategy snapshot, scheduler
-stream, clock, exhausted clients) and every reply with the version it produced
+Every batch of dispatches is committed with :func:`loop_state` (a reference to the strategy's
+snapshot, scheduler stream, clock, exhausted clients) and every reply with the version it produced
 (``Store.record_reply``). :func:`restore` rebuilds a server from the store: model, strategy
 (plus the updates buffered since its snapshot), scheduler, clock, counters, history; the tasks
 that were in flight (or cancelled by a stop, or lost) are sent again, under the virtual clock
@@ -20,6 +20,7 @@ from fedasync.config import Config
 from fedasync.server.clock import WallClock
 from fedasync.server.control import ROUND_CLOSED, backups_spend
 from fedasync.server.params import Tail
+from fedasync.server.progress import NON_FINITE_MODEL
 from fedasync.server.retention import Retention
 from fedasync.server.strategies import Update
 from fedasync.server.transport import Live, TaskMsg
@@ -40,16 +41,36 @@ PER_CLIENT = ("dispatches", "dur_sum", "dur_n", "remaining", "affordable")
 SCHEDULER_TIMES = ("first", "last")  # staleness_aware's (time, version) points, beside name and stream
 
 
+def strategy_snapshot(srv: AsyncServer) -> tuple[int, str | None]:
+    """The id of the strategy's snapshot that a loop state refers to, and the snapshot's text when
+    it must be written (to ``runs.strategy_state``, in the loop state's transaction), else None.
+
+    The strategy is snapshotted only when its buffer is empty, and only when it changed since the
+    last snapshot: its state changes only in ``add`` (which buffers, or aggregates: a new version)
+    and ``discard`` (a non-finite model, counted in ``srv.rejections``), so the pair (version,
+    non-finite rejections) tells, with no ``state_dict`` and no encoding, whether the empty-buffer
+    state is the one snapshotted. The updates buffered since are stored with their parameters
+    (``updates.pending_params``) and re-added on resume. So a reply that only buffers, a batch of
+    dispatches and a rejection write a reference of a few bytes, not FedAvgM's velocity."""
+    # the last snapshot: its id, its key, whether it is in the store (restore sets it; a new run starts here)
+    ref = srv.__dict__.setdefault("_strategy_ref", {"id": -1, "key": None, "stored": False})
+    if not srv.strategy.pending() and ref["key"] != (key := (srv.version, srv.rejections.get(NON_FINITE_MODEL, 0))):
+        srv._strategy_snapshot = srv.strategy.state_dict()
+        ref.update(key=key, stored=False)
+    if ref["stored"]:
+        return ref["id"], None
+    ref.update(id=ref["id"] + 1, stored=True)
+    return ref["id"], dumps_state({"id": ref["id"], "state": srv._strategy_snapshot})
+
+
 def loop_state(srv: AsyncServer) -> LoopState:
-    """Small, resumable state. The strategy is snapshotted only when its buffer is empty
-    (after an aggregation); the updates buffered since are stored with their parameters
-    (``updates.pending_params``) and re-added on resume, so no reply re-writes the buffer.
-    Likewise the scheduler's per-client state (it grows with the clients seen: 10,000 clients'
-    JSON took ~45 ms, twice per update) is written whole only once the clients touched since the
+    """Small, resumable state. The strategy's state is written only when it changed
+    (:func:`strategy_snapshot`, ``runs.strategy_state``, in the same transaction); each loop
+    state holds its id. Likewise the scheduler's per-client state (it grows with the clients
+    seen: 10,000 clients' JSON took ~45 ms, twice per update) is written whole only once the clients touched since the
     last snapshot outnumber the square root of its entries (``runs.scheduler_state``, in the same
     transaction); in between, each loop state holds the touched clients' entries."""
-    if not srv.strategy.pending():
-        srv._strategy_snapshot = srv.strategy.state_dict()
+    strategy_id, strategy_text = strategy_snapshot(srv)
     sched, touched = srv.scheduler, srv.policy.touched
     dicts = {k: getattr(sched, k) for k in PER_CLIENT if isinstance(getattr(sched, k, None), dict)}
     snap, text = srv._scheduler_snap, None
@@ -67,7 +88,7 @@ def loop_state(srv: AsyncServer) -> LoopState:
                  **{k: getattr(sched, k) for k in SCHEDULER_TIMES if hasattr(sched, k)},
                  "snapshot": snap["id"], "changes": changes}
     out = LoopState(dumps_state({
-        "strategy": srv._strategy_snapshot,
+        "strategy_snapshot": strategy_id,
         "scheduler": scheduler,
         "policy": srv.policy.state_dict(),
         "virtual_time": srv.clock.now,
@@ -75,8 +96,20 @@ def loop_state(srv: AsyncServer) -> LoopState:
         "time_to_target": srv.time_to_target,  # (a resume derives it, and the grid position, from the evaluations)
         "liveness": srv.liveness.state_dict(),  # progress.py: the replies since one was accepted
     }))
-    out.scheduler_state = text
+    out.scheduler_state, out.strategy_state = text, strategy_text
     return out
+
+
+def strategy_state(state: dict, snapshot: str | None) -> tuple[dict, int | None]:
+    """The strategy's ``state_dict`` a loop state stands for, and its snapshot id: embedded (a store
+    written before ``runs.strategy_state``: id None) or ``snapshot`` (that column)."""
+    if "strategy_snapshot" not in state:
+        return state["strategy"], None
+    snap = loads_state(snapshot)
+    if not snap or snap["id"] != state["strategy_snapshot"]:
+        raise RuntimeError(f"the strategy's state snapshot is {None if not snap else snap['id']}, the loop state "
+                           f"refers to {state['strategy_snapshot']}: the store is inconsistent")
+    return snap["state"], snap["id"]
 
 
 def scheduler_state(saved: dict, snapshot: str | None) -> dict:
@@ -119,9 +152,10 @@ def restore(srv: AsyncServer, run_id: int) -> None:
                            f"v{run.current_version} were not stored (store.save_parameters: false)")
     srv.next_task = run.next_task_id
     state = loads_state(run.loop_state)
+    snapshot_id = None
     if state:
-        srv.strategy.load_state_dict(state["strategy"])
-        srv._strategy_snapshot = state["strategy"]
+        srv._strategy_snapshot, snapshot_id = strategy_state(state, run.strategy_state)
+        srv.strategy.load_state_dict(srv._strategy_snapshot)
         srv.scheduler.load_state_dict(scheduler_state(state["scheduler"], run.scheduler_state))
         srv.policy.load_state_dict(state.get("policy"), lambda v: store.load_version(run_id, v)[1])
         srv.exhausted = set(state["exhausted"])
@@ -164,6 +198,12 @@ def restore(srv: AsyncServer, run_id: int) -> None:
         if row.exhausted:
             srv.exhausted.add(row.client_id)
     sync_counts(srv)
+    # the snapshot loaded is the strategy's state at this version (plus the updates re-added): not
+    # written again until it changes; one embedded in the loop state (an older store) is written
+    # to runs.strategy_state by the next loop state
+    srv._strategy_ref = {"id": -1 if snapshot_id is None else snapshot_id,
+                         "key": (srv.version, srv.rejections.get(NON_FINITE_MODEL, 0)),
+                         "stored": snapshot_id is not None}
     srv.liveness.load_state_dict((state or {}).get("liveness"), srv.received)  # (written before: None)
     times = _load_history(srv)
     srv.evals.restore(times)  # the grid position and the time to target, from the stored evaluations

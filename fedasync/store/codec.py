@@ -6,7 +6,7 @@
 - :func:`encode_params` / :func:`decode_params`: an uncompressed ``.npz`` (the ledger's and
   gossip's payloads, and blobs written before the packed format).
 - :func:`dumps_state` / :func:`loads_state`: JSON for nested dicts and lists with numpy arrays
-  (``runs.loop_state``, ``runs.scheduler_state``: :class:`LoopState`; no pickle).
+  (``runs.loop_state``, ``runs.scheduler_state``, ``runs.strategy_state``: :class:`LoopState`; no pickle).
 
 Pure: numpy and the standard library only.
 """
@@ -95,9 +95,11 @@ def _dec(obj: Any) -> Any:
 class LoopState(str):
     """``runs.loop_state``'s text; ``scheduler_state``, when set, is a snapshot of the scheduler's
     per-client state that the store writes to ``runs.scheduler_state`` in the same transaction
-    (the loop state refers to it)."""
+    (the loop state refers to it); ``strategy_state`` likewise, the strategy's snapshot, for
+    ``runs.strategy_state``."""
 
     scheduler_state: str | None = None
+    strategy_state: str | None = None
 
 
 def dumps_state(obj: Any) -> str:

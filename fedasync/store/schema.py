@@ -46,6 +46,8 @@ class Run(Base):
     loop_state: Mapped[str | None] = mapped_column(Text, nullable=True)
     # the scheduler's per-client state, written whole now and then; loop_state holds what changed since
     scheduler_state: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # the strategy's state, written when an aggregation changed it; loop_state refers to it (0009)
+    strategy_state: Mapped[str | None] = mapped_column(Text, nullable=True)
     summary_json: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 

@@ -41,7 +41,8 @@ _RUN_VERSION = _RUN_STEP.values(current_version=_B("b_cv"))
 _RUN_DISPATCH = _RUN_STEP.values(next_task_id=_B("b_next"))
 _APPLIED = update(_U).where(_U.c.run_id == _B("b_run"), _U.c.task_id.in_(_B("b_ids", expanding=True))) \
     .values(applied_in_version=_B("b_v"), pending_params=None)
-_SCHED_SNAPSHOT = update(_RUN).where(_RUN.c.id == _B("b_run")).values(scheduler_state=_B("b_sched"))
+_SNAPSHOT = {k: update(_RUN).where(_RUN.c.id == _B("b_run")).values({k: _B("b_snap")})
+             for k in ("scheduler_state", "strategy_state")}
 _REJECT = update(_U).where(_U.c.run_id == _B("b_run"), _U.c.task_id == _B("b_task")) \
     .values(accepted=False, reason=_B("b_reason"), pending_params=None)
 _FORGET_FILTER = update(_U).where(_U.c.run_id == _B("b_run"), _U.c.task_id == _B("b_task")) \
@@ -54,12 +55,13 @@ def _update(model):
     return update(model).execution_options(synchronize_session=False)
 
 
-def _scheduler_snapshot(c: Connection, run_id: int, loop_state: Any) -> None:
-    """Write the scheduler snapshot a :class:`~fedasync.store.codec.LoopState` carries (if any) in
-    the transaction that writes the loop state referring to it."""
-    snap = getattr(loop_state, "scheduler_state", None)
-    if snap is not None:
-        c.execute(_SCHED_SNAPSHOT, {"b_run": run_id, "b_sched": snap})
+def _snapshots(c: Connection, run_id: int, loop_state: Any) -> None:
+    """Write the scheduler and strategy snapshots a :class:`~fedasync.store.codec.LoopState`
+    carries (if any) in the transaction that writes the loop state referring to them."""
+    for col, stmt in _SNAPSHOT.items():
+        snap = getattr(loop_state, col, None)
+        if snap is not None:
+            c.execute(stmt, {"b_run": run_id, "b_snap": snap})
 
 
 def default_sqlite_url(run_dir: str | Path) -> str:
@@ -320,7 +322,7 @@ class Store:
             self._set_dispatch(c, run_id, task_id, status, error, now)
             if loop_state is not None:
                 c.execute(update(_RUN).where(_RUN.c.id == run_id).values(loop_state=str(loop_state)))
-                _scheduler_snapshot(c, run_id, loop_state)
+                _snapshots(c, run_id, loop_state)
         self._write(op)
 
     def _drop_params(self, c: Connection, run_id: int, versions: list[int] | None) -> None:
@@ -384,7 +386,7 @@ class Store:
                 c.execute(_RUN_VERSION, dict(run_values, b_cv=version_row["version"]))
             else:
                 c.execute(_RUN_STEP, run_values)
-            _scheduler_snapshot(c, run_id, loop_state)
+            _snapshots(c, run_id, loop_state)
             self._drop_params(c, run_id, drop_params)
             if forget_filter_params is not None:
                 c.execute(_FORGET_FILTER, {"b_run": run_id, "b_task": forget_filter_params})
@@ -444,7 +446,7 @@ class Store:
                                           "b_next": next_task_id})
             else:
                 c.execute(update(_RUN).where(_RUN.c.id == run_id).values(**values))
-            _scheduler_snapshot(c, run_id, loop_state)
+            _snapshots(c, run_id, loop_state)
             self._next_task[run_id] = max(next_task_id, self._next_task.get(run_id, 0))
         self._write(op)
 
