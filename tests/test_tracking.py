@@ -207,6 +207,9 @@ def test_gossip_virtual_run_writes_metrics_and_tensorboard(tmp_path):
     lines = _jsonl(out)
     assert len(lines) == len(hist) > 0
     assert [ln["eval/accuracy"] for ln in lines] == pytest.approx([float(h["accuracy"]) for h in hist])
+    # as a server run's: step = the evaluation's index, the model index its own scalar (the grid repeats it)
+    assert [ln["step"] for ln in lines] == list(range(len(hist)))
+    assert [ln["async/version"] for ln in lines] == [int(h["events"]) for h in hist]  # gossip: events
     acc = _events(out / "tensorboard")
     ev = acc.Scalars("gossip/consensus_distance")
     assert [e.value for e in ev] == pytest.approx([float(h["consensus_distance"]) for h in hist], rel=1e-6)

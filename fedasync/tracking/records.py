@@ -182,14 +182,16 @@ _SERVERLESS_SKIP = ("version", "time_s", "virtual_time_s", "wall_time_s")
 
 def serverless_records(summary: dict) -> list[Record]:
     """The records of a ledger or gossip run, from its ``summary`` (``history``: ``version``,
-    ``time_s`` (virtual with ``--virtual``, else wall seconds), ``accuracy``, ``loss``, ...):
-    ``eval/<metric>`` for each accuracy and loss column, ``<mode>/<column>`` for the others (the
+    ``time_s`` (virtual with ``--virtual``, else wall seconds), ``accuracy``, ``loss``, ...): ``step``
+    the row's index and ``async/version`` its model index, as a server run's records (the grid may
+    evaluate one model at several times), ``eval/<metric>`` for each accuracy and loss column, ``<mode>/<column>`` for the others (the
     ledger's ``height``, gossip's ``consensus_distance``, ``events``); the last record also carries
     ``async/staleness_mean``/``max`` (the ledger's) and ``privacy/epsilon_max`` when the summary has them."""
     mode = str(summary.get("mode") or "serverless")
     out: list[Record] = []
-    for row in summary.get("history") or []:
-        scalars: dict[str, Any] = {"step": int(row["version"]), "virtual_time_s": float(row["time_s"])}
+    for i, row in enumerate(summary.get("history") or []):
+        scalars: dict[str, Any] = {"step": i, "virtual_time_s": float(row["time_s"]),
+                                   "async/version": int(row["version"])}
         for k, v in row.items():
             if k in _SERVERLESS_SKIP or not _finite(v):
                 continue
