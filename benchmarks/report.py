@@ -26,7 +26,12 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from report_blocks import GENERATORS  # noqa: E402
+import report_blocks  # noqa: E402
+import report_blocks_mnist  # noqa: E402
+import report_blocks_policy  # noqa: E402
+
+#: block name -> generator; each page's generators live in a module of their own
+GENERATORS = {**report_blocks.GENERATORS, **report_blocks_mnist.GENERATORS, **report_blocks_policy.GENERATORS}
 
 ROOT = HERE.parent
 BLOCK = re.compile(r"<!-- report:([\w-]+) -->\n(.*?)<!-- /report -->", re.S)
