@@ -8,7 +8,8 @@ The pages are ``README.md`` and ``docs/benchmarks/*.md``. A generated block is t
 :mod:`report_blocks` makes from the result files, never typed. ``--check`` also reads README.md
 outside generated blocks, fenced code, inline code and link targets: every number left there must
 be in :data:`ALLOWED` (numbers that are not results: the quickstart's 100 clients, ...), so a
-result typed into the prose fails the check.
+result typed into the prose fails the check; and a Markdown table row of ``docs/benchmarks/*.md``
+outside a generated block or fenced code fails it, naming the page and line.
 
 A result file made before ``benchmarks/provenance.py`` carries no provenance: its line says
 "(no provenance: made before <date>)", the date of the first commit that holds the file
@@ -91,6 +92,33 @@ def unbacked_numbers(text: str) -> list[str]:
     return out
 
 
+#: docs/benchmarks pages whose tables list pages and files, not results: exempt from :func:`typed_tables`
+NAV_PAGES = {"index.md"}
+
+SEPARATOR = re.compile(r"^\|(\s*:?-+:?\s*\|)+\s*$")
+
+
+def typed_tables(text: str, page: str) -> list[str]:
+    """Markdown table rows (a line starting with ``|`` after a header separator) outside generated
+    blocks and fenced code: a table typed into a benchmark page, backed by no generator."""
+    out: list[str] = []
+    spans = [m.span() for m in BLOCK.finditer(text)] + [m.span() for m in re.finditer(r"^```.*?^```", text, re.S | re.M)]
+    in_table, pos = False, 0
+    for lineno, line in enumerate(text.splitlines(keepends=True), 1):
+        start, pos = pos, pos + len(line)
+        if any(a <= start < b for a, b in spans):
+            in_table = False
+            continue
+        row = line.strip()
+        if SEPARATOR.match(row):
+            in_table = True
+        elif in_table and row.startswith("|"):
+            out.append(f"{page}:{lineno}: a table row outside a generated block (typed numbers): {row[:80]!r}")
+        else:
+            in_table = False
+    return out
+
+
 def check(root: Path = ROOT, results: Path | None = None) -> list[str]:
     """Every problem ``--check`` reports (empty when the pages are what the files give)."""
     results = results or root / "benchmarks" / "results"
@@ -104,6 +132,8 @@ def check(root: Path = ROOT, results: Path | None = None) -> list[str]:
                      f"(run python benchmarks/report.py)" for name in changed]
         if page.name == "README.md" and page.parent == root:
             problems += unbacked_numbers(text)
+        elif page.name not in NAV_PAGES:
+            problems += typed_tables(text, str(page.relative_to(root)))
     return problems
 
 

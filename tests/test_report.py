@@ -38,7 +38,7 @@ def site(tmp_path):
     shutil.copy(ROOT / "README.md", tmp_path / "README.md")
     shutil.copytree(ROOT / "docs" / "benchmarks", tmp_path / "docs" / "benchmarks")
     shutil.copytree(BENCH / "results", tmp_path / "benchmarks" / "results",
-                    ignore=shutil.ignore_patterns("*.png", "scale-quiet"))
+                    ignore=shutil.ignore_patterns("*.png"))
     return tmp_path
 
 
@@ -119,3 +119,27 @@ def test_an_unknown_block_is_one_line_and_changes_nothing(site):
     r = subprocess.run([sys.executable, str(BENCH / "report.py"), "--root", str(site)], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "'no-such-block'" in r.stderr
     assert readme.read_text() == text
+
+
+def test_a_table_typed_into_a_benchmark_page_fails(site):
+    """A Markdown table row outside a generated block of docs/benchmarks/*.md fails --check, naming the
+    page and the line; the same table inside fenced code does not."""
+    report = _report()
+    page = site / "docs" / "benchmarks" / "scale.md"
+    text = page.read_text()
+    lines = text.count("\n")
+    page.write_text(text + "\n| run | updates |\n|---|---:|\n| fedbuff | 3,094 |\n")
+    assert report.check(site) == [f"docs/benchmarks/scale.md:{lines + 4}: a table row outside a generated block "
+                                  "(typed numbers): '| fedbuff | 3,094 |'"]
+    page.write_text(text + "\n```\n| run | updates |\n|---|---:|\n| fedbuff | 3,094 |\n```\n")
+    assert report.check(site) == []
+
+
+def test_the_policy_pages_hold_their_generated_blocks():
+    scale = (ROOT / "docs" / "benchmarks" / "scale.md").read_text()
+    for name in ("scale-table", "scale-cnn-store", "scheduler-cost", "loop-overhead-table", "loop-cpu-table"):
+        assert f"<!-- report:{name} -->" in scale
+    sr = (ROOT / "docs" / "benchmarks" / "scheduling-robustness.md").read_text()
+    for name in ("scheduling-table", "robustness-table"):
+        assert f"<!-- report:{name} -->" in sr
+    assert "old protocol" in sr.split("<!-- report:scheduling-table -->")[1].split("<!-- /report -->")[0]
