@@ -87,6 +87,21 @@ def next_grid_index(times: Iterable[float], every_s: float) -> int:
     return 0 if last is None else math.floor(last / every_s + 1e-6) + 1
 
 
+def walk_grid(next_k: int, every_s: float, t: float, inclusive: bool, record: Any, stop: Any) -> tuple[int, float | None]:
+    """Record (``record(g)``) every grid time ``g = k * every_s`` from ``k = next_k`` up to ``t``
+    (``inclusive``: ``g == t`` too), stopping after a ``g`` at which ``stop()`` holds. Returns the
+    next grid index and the grid time it stopped at (None: it reached ``t``). The server's loop and
+    the server-less runs walk their grids with it."""
+    while True:
+        g = next_k * every_s
+        if g > t or (g == t and not inclusive):
+            return next_k, None
+        record(g)
+        next_k += 1
+        if stop():
+            return next_k, g
+
+
 class Evaluations:
     """The loop's evaluations: it appends to ``srv.history``, records each row in the store and
     sets ``srv.time_to_target``."""
@@ -148,14 +163,8 @@ class Evaluations:
         (``server.stop_at_target``), else None."""
         if self.every_s is None:
             return None
-        while True:
-            g = self.next_k * self.every_s
-            if g > t or (g == t and not inclusive):
-                return None
-            self.record(g)
-            self.next_k += 1
-            if self._stop():
-                return g
+        self.next_k, stopped = walk_grid(self.next_k, self.every_s, t, inclusive, self.record, self._stop)
+        return stopped
 
     def finish(self) -> None:
         """At the end: the grid up to now, then the final model at the final time if its version

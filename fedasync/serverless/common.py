@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 
 from fedasync.config import Config, ConfigError, ServerConfig, config_from_dict
 from fedasync.server.clock import make_profiles, task_duration
+from fedasync.server.evaluation import time_to_target, walk_grid
 from fedasync.store import Store
 from fedasync.store import schema as S
 
@@ -137,8 +138,6 @@ class EvalGrid:
         time to target once it has held."""
         self.history.append(self.evaluate(at) if row is None else row)
         if self.goal is not None and self.time_to_target is None and len(self.history) >= self.hold:
-            from fedasync.server.evaluation import time_to_target
-
             rows = [dict(r, virtual_time_s=r["time_s"]) for r in self.history[-self.hold:]]
             self.time_to_target = time_to_target(rows, self.goal, self.hold)
 
@@ -162,14 +161,8 @@ class EvalGrid:
         time at which the run stops at the target (:meth:`reached`), else None."""
         if self.every_s is None:
             return None
-        while True:
-            g = self.next_k * self.every_s
-            if g > t or (g == t and not inclusive):
-                return None
-            self.record(g)
-            self.next_k += 1
-            if self.reached():
-                return g
+        self.next_k, stopped = walk_grid(self.next_k, self.every_s, t, inclusive, self.record, self.reached)
+        return stopped
 
     def finish(self, now: float, version: int) -> None:
         """At the end: the grid up to ``now`` (unless stopped at the target), then the final model
