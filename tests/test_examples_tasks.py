@@ -134,7 +134,7 @@ def test_mnist_as_a_user_task_trains_the_same_model_as_the_builtin_path(tmp_path
 
     npz = tmp_path / "mnist.npz"
     _mnist_like(npz)
-    common = {"server.max_versions": 6, "server.eval_every": 3, "server.concurrency": 4,
+    common = {"server.max_versions": 6, "server.eval_every": 3, "server.eval_every_s": None, "server.concurrency": 4,
               "server.buffer_size": 2, "data.num_clients": 4, "train.local_steps": 3, "seed": 7}
     builtin = dict(common, **{"task": None, "data.dataset": "files", "data.path": str(npz),
                               "data.partitioner": "iid", "model.name": "fedavg_cnn"})
