@@ -3,13 +3,15 @@
     python benchmarks/report.py           # rewrite every generated block of the pages
     python benchmarks/report.py --check   # exit 1 naming each stale block and each unbacked README number
 
-The pages are ``README.md`` and ``docs/benchmarks/*.md``. A generated block is the text between
-``<!-- report:NAME -->`` and ``<!-- /report -->``; its content is what the generator ``NAME`` of
-:mod:`report_blocks` makes from the result files, never typed. ``--check`` also reads README.md
-outside generated blocks, fenced code, inline code and link targets: every number left there must
-be in :data:`ALLOWED` (numbers that are not results: the quickstart's 100 clients, ...), so a
-result typed into the prose fails the check; and a Markdown table row of ``docs/benchmarks/*.md``
-outside a generated block or fenced code fails it, naming the page and line.
+The pages are ``README.md``, ``benchmarks/README.md`` and ``docs/benchmarks/*.md``. A generated
+block is the text between ``<!-- report:NAME -->`` and ``<!-- /report -->``; its content is what
+the generator ``NAME`` (of :mod:`report_blocks`, :mod:`report_blocks_mnist`,
+:mod:`report_blocks_policy` or :mod:`report_blocks_misc`) makes from the result files, never
+typed. ``--check`` also reads README.md outside generated blocks, fenced code, inline code and
+link targets: every number left there must be in :data:`ALLOWED` (numbers that are not results:
+the quickstart's 100 clients, ...), so a result typed into the prose fails the check; and a
+Markdown table row of ``docs/benchmarks/*.md`` or ``benchmarks/README.md`` outside a generated
+block or fenced code fails it, naming the page and line.
 
 A result file made before ``benchmarks/provenance.py`` carries no provenance: its line says
 "(no provenance: made before <date>)", the date of the first commit that holds the file
@@ -29,10 +31,12 @@ if str(HERE) not in sys.path:
 
 import report_blocks  # noqa: E402
 import report_blocks_mnist  # noqa: E402
+import report_blocks_misc  # noqa: E402
 import report_blocks_policy  # noqa: E402
 
 #: block name -> generator; each page's generators live in a module of their own
-GENERATORS = {**report_blocks.GENERATORS, **report_blocks_mnist.GENERATORS, **report_blocks_policy.GENERATORS}
+GENERATORS = {**report_blocks.GENERATORS, **report_blocks_mnist.GENERATORS, **report_blocks_policy.GENERATORS,
+              **report_blocks_misc.GENERATORS}
 
 ROOT = HERE.parent
 BLOCK = re.compile(r"<!-- report:([\w-]+) -->\n(.*?)<!-- /report -->", re.S)
@@ -46,8 +50,8 @@ ALLOWED = {
 
 
 def pages(root: Path) -> list[Path]:
-    """The pages whose blocks are generated: README.md and docs/benchmarks/*.md."""
-    return [root / "README.md", *sorted((root / "docs" / "benchmarks").glob("*.md"))]
+    """The pages whose blocks are generated: README.md, benchmarks/README.md and docs/benchmarks/*.md."""
+    return [root / "README.md", root / "benchmarks" / "README.md", *sorted((root / "docs" / "benchmarks").glob("*.md"))]
 
 
 def render(text: str, results: Path) -> tuple[str, list[str]]:

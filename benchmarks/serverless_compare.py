@@ -25,16 +25,16 @@ the target holds ``server.target_hold`` evaluations in a row (default 3;
 gives the average model's accuracy, the worst peer's own model, and the consensus distance
 ``(1/N) Σ_i ||x_i - x̄||²`` when the run stopped and averaged over the run.
 
-Writes ``benchmarks/results/serverless_compare.{json,md}`` and the section between
-``<!-- serverless:begin -->`` and ``<!-- serverless:end -->`` of ``benchmarks/README.md``
-(appended if absent; nothing else in that file is touched).
+Writes ``benchmarks/results/serverless_compare.{json,md}``; when the results go to
+``benchmarks/results/``, then runs ``benchmarks/report.py``, whose block ``serverless-compare``
+of ``benchmarks/README.md`` (:func:`report_blocks_misc.serverless_compare`) is generated from
+the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -69,7 +69,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-orders", default="paper,symmetric",
                     help="gossip.step_order values to compare, comma-separated (paper: AD-PSGD)")
     ap.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
-    ap.add_argument("--readme", type=Path, default=ROOT / "benchmarks" / "README.md")
     a = ap.parse_args(argv)
     n = a.peers
     orders = [o.strip() for o in a.step_orders.split(",") if o.strip()]
@@ -124,9 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     md = render(rows, n, a)
     a.results.mkdir(parents=True, exist_ok=True)
     from provenance import provenance, write_result  # benchmarks/: on sys.path when run as a script
-    write_result(a.results / "serverless_compare.json", {"provenance": provenance(), "peers": n, "rows": rows})
+    extra = {"time_scale": a.time_scale} if a.wall else {}
+    write_result(a.results / "serverless_compare.json", {"provenance": provenance(), "peers": n, **extra, "rows": rows})
     (a.results / "serverless_compare.md").write_text(md)
-    update_readme(a.readme, md)
+    if a.results.resolve() == (ROOT / "benchmarks" / "results").resolve():
+        import report  # the README's block `serverless-compare` is generated from the JSON
+        for line in report.write(ROOT):
+            print(f"rewrote {line}")
     print(md)
     return 0
 
@@ -203,19 +206,6 @@ def render(rows: list[dict], n: int, a) -> str:
     lines += ["```", "", f"Made by `python benchmarks/serverless_compare.py{' --wall' if wall else ''}` "
               f"({time.strftime('%Y-%m-%d')}).", END, ""]
     return "\n".join(lines)
-
-
-def update_readme(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else "# fedasync benchmarks\n\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        text = head + section.rstrip("\n") + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

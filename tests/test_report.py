@@ -143,3 +143,33 @@ def test_the_policy_pages_hold_their_generated_blocks():
     for name in ("scheduling-table", "robustness-table"):
         assert f"<!-- report:{name} -->" in sr
     assert "old protocol" in sr.split("<!-- report:scheduling-table -->")[1].split("<!-- /report -->")[0]
+
+
+def test_a_table_typed_into_the_benchmarks_readme_fails(site):
+    """benchmarks/README.md is a generated page: its tables are blocks (--check passes on a copy of
+    it), a table row typed outside a block fails --check naming the page and line, and a changed
+    number inside one of its blocks fails too."""
+    report = _report()
+    page = site / "benchmarks" / "README.md"
+    shutil.copy(BENCH / "README.md", page)
+    text = page.read_text()
+    assert report.check(site) == []
+    lines = text.count("\n")
+    page.write_text(text + "\n| variant | virtual s to 90 % |\n|---|---:|\n| fedbuff (server) | 26.0 |\n")
+    assert report.check(site) == [f"benchmarks/README.md:{lines + 4}: a table row outside a generated block "
+                                  "(typed numbers): '| fedbuff (server) | 26.0 |'"]
+    page.write_text(text.replace("| **0.98** |", "| **0.99** |", 1))
+    assert report.check(site) == ["benchmarks/README.md: block 'loop-overhead-table' differs from what the result "
+                                  "files give (run python benchmarks/report.py)"]
+
+
+def test_the_benchmarks_readme_holds_its_generated_blocks():
+    text = (BENCH / "README.md").read_text()
+    blocks = dict(re.findall(r"<!-- report:([\w-]+) -->\n(.*?)<!-- /report -->", text, re.S))
+    for name in ("loop-overhead-table", "sqlite-blobs", "robust-calibration-table", "dp-overhead-table",
+                 "privacy-utility-table", "serverless-compare", "kardam-cost"):
+        assert name in blocks
+        assert blocks[name].startswith("`") and ("provenance" in blocks[name] or "commit" in blocks[name])
+    # privacy_utility.json shows a time to target and was made before the evaluation grid
+    assert "old protocol" in blocks["privacy-utility-table"]
+    assert "<!-- serverless:begin -->" not in text
