@@ -27,7 +27,7 @@ from fedasync.config import config_from_dict
 from fedasync.server.loop import AsyncServer
 from fedasync.server.resume import check_resume_config
 from fedasync.server.transport import LocalTransport
-from fedasync.store import Store
+from fedasync.store import Store, loads_state
 
 FEDASYNC = str(Path(sys.executable).with_name("fedasync"))
 
@@ -184,6 +184,41 @@ def test_server_momentum_survives_a_crash_and_resume(tmp_path, tmp_path_factory,
         server.run()
     summary = AsyncServer(cfg, LocalTransport(), store_at(tmp_path / "s.db"), resume_run_id=server.run_id).run()
     assert summary["stop_reason"] == "max_versions"
+    assert_same_run(summary, ref)
+
+
+def central_dp_cfg():
+    """fedbuff (K = 3) with central DP and momentum: six clients of very different speeds, all busy,
+    so a fast client's second update is held and refills the buffer right after each release (the
+    buffer never empties after the first aggregation: replies 10, 16, 22, ... each make a version
+    and leave two held updates buffered)."""
+    return make_cfg("fedbuff", data={"dataset": "digits", "num_clients": 6, "partitioner": "iid"},
+                    clock={"sigma": 2.5, "latency_s": 0.0},
+                    server={"concurrency": 6, "max_versions": 10, "server_momentum": 0.9, "server_lr": 0.7},
+                    privacy={"central_dp": {"enabled": True, "clip": 1.0, "noise_multiplier": 0.5},
+                             "reproducible_noise": True})
+
+
+@pytest.mark.parametrize("point", [("record_reply", 16, False), ("record_reply", 17, False),
+                                   ("record_reply", 28, True)], ids=["16a", "17a", "28b"])
+def test_central_dp_crash_after_a_release_that_refilled_the_buffer_then_resume(tmp_path, tmp_path_factory,
+                                                                                   point):
+    """A crash after a central-DP release whose held updates refilled the buffer: the resumed run
+    takes up the strategy as it was after that release (release count: the reproducible noise of
+    each release; velocity), not one aggregation behind, and ends as the run never stopped."""
+    cfg = central_dp_cfg()
+    ref = reference(cfg, tmp_path_factory)
+    assert ref["rejections"].get("client_backlog", 0) > 0  # updates were held back (and some backlogged)
+    store, run_id = crashed_run(cfg, tmp_path / "s.db", point)
+    run = store.get_run(run_id)
+    assert store.pending_updates(run_id)  # the crash left updates buffered (held ones among them)
+    snapshot = loads_state(run.strategy_state)["state"]
+    assert snapshot["central_dp"]["releases"] == run.current_version  # one release per version, none missing
+    assert snapshot["buffer"] == [] and "held" not in snapshot  # those are re-added from the store
+    summary = AsyncServer(cfg, LocalTransport(), store, resume_run_id=run_id).run()
+    assert summary["stop_reason"] == "max_versions"
+    check_invariants(store, summary)
+    assert summary["privacy"]["central_dp"]["releases"] == 10
     assert_same_run(summary, ref)
 
 
@@ -592,13 +627,12 @@ def test_the_scheduler_state_is_a_snapshot_plus_the_clients_touched_since(name):
 
     from fedasync.server.resume import PER_CLIENT, loop_state, scheduler_state
     from fedasync.server.scheduler import make_scheduler
-    from fedasync.store import loads_state
 
     rng = np.random.default_rng(7)
     sched = make_scheduler(name, 3)
     touched: set[int] = set()
-    srv = SimpleNamespace(strategy=SimpleNamespace(pending=lambda: [1], state_dict=dict), _strategy_snapshot={},
-                          _scheduler_snap=None,
+    srv = SimpleNamespace(strategy=SimpleNamespace(settled_state=lambda: None), _strategy_snapshot={},
+                          version=0, rejections={}, _scheduler_snap=None,
                           scheduler=sched, policy=SimpleNamespace(touched=touched, state_dict=dict),
                           clock=SimpleNamespace(now=0.0), exhausted=set(), time_to_target=None,
                           liveness=SimpleNamespace(state_dict=dict))

@@ -45,17 +45,21 @@ def strategy_snapshot(srv: AsyncServer) -> tuple[int, str | None]:
     """The id of the strategy's snapshot that a loop state refers to, and the snapshot's text when
     it must be written (to ``runs.strategy_state``, in the loop state's transaction), else None.
 
-    The strategy is snapshotted only when its buffer is empty, and only when it changed since the
-    last snapshot: its state changes only in ``add`` (which buffers, or aggregates: a new version)
-    and ``discard`` (a non-finite model, counted in ``srv.rejections``), so the pair (version,
-    non-finite rejections) tells, with no ``state_dict`` and no encoding, whether the empty-buffer
-    state is the one snapshotted. The updates buffered since are stored with their parameters
-    (``updates.pending_params``) and re-added on resume. So a reply that only buffers, a batch of
-    dispatches and a rejection write a reference of a few bytes, not FedAvgM's velocity."""
+    The snapshot is the strategy's state with no update buffered (``Strategy.settled_state``), taken
+    only when that changed since the last snapshot: it changes only in ``add`` when it aggregates (a
+    new version) and in ``discard`` (a non-finite model, counted in ``srv.rejections``), so the pair
+    (version, non-finite rejections) tells, with no ``state_dict`` and no encoding, whether the
+    snapshot is current. The updates buffered are stored with their parameters
+    (``updates.pending_params``) and re-added on resume. fedbuff's settled state is told at any time:
+    its snapshot is taken at the aggregation itself, even when central DP's held updates refill the
+    buffer straight after it; a strategy that cannot tell it while updates are buffered (None) is
+    snapshotted when its buffer is next empty. So a reply that only buffers, a batch of dispatches and
+    a rejection write a reference of a few bytes, not FedAvgM's velocity."""
     # the last snapshot: its id, its key, whether it is in the store (restore sets it; a new run starts here)
     ref = srv.__dict__.setdefault("_strategy_ref", {"id": -1, "key": None, "stored": False})
-    if not srv.strategy.pending() and ref["key"] != (key := (srv.version, srv.rejections.get(NON_FINITE_MODEL, 0))):
-        srv._strategy_snapshot = srv.strategy.state_dict()
+    if ref["key"] != (key := (srv.version, srv.rejections.get(NON_FINITE_MODEL, 0))) \
+            and (state := srv.strategy.settled_state()) is not None:
+        srv._strategy_snapshot = state
         ref.update(key=key, stored=False)
     if ref["stored"]:
         return ref["id"], None

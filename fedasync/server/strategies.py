@@ -121,7 +121,8 @@ class FedBuff(Strategy):
     updates") and makes the fairness cost visible: a held update waits one release (it keeps the staleness
     weight it had on arrival), a backlogged one is recorded as rejected. A held update counts in
     :meth:`pending` (the loop stores its parameters and re-adds it on resume, in arrival order, which
-    rebuilds the same buffer and held list). Without central DP nothing is held.
+    rebuilds the same buffer and held list, on top of :meth:`settled_state`, the state after the last
+    release). Without central DP nothing is held.
     """
 
     name = "fedbuff"
@@ -246,10 +247,21 @@ class FedBuff(Strategy):
         return [e["task_id"] for e in self._buffer] + [e["task_id"] for e in self._held]
 
     def state_dict(self) -> dict[str, Any]:
+        return self._state(self._buffer, self._held)
+
+    def settled_state(self) -> dict[str, Any]:
+        """The state with the buffer and held list empty. Buffering and holding change nothing else
+        (an aggregation does: the release count, the velocity, the last aggregated), and re-adding the
+        pending updates in arrival order rebuilds the buffer and held list, so this is told at any time:
+        with central DP, right after a release whose held updates refilled the buffer (it may then stay
+        non-empty for the rest of the run)."""
+        return self._state([], [])
+
+    def _state(self, buffer: list[dict[str, Any]], held: list[dict[str, Any]]) -> dict[str, Any]:
         d = super().state_dict()
-        d["buffer"] = [_entry_state(e) for e in self._buffer]
-        if self._held:
-            d["held"] = [_entry_state(e) for e in self._held]
+        d["buffer"] = [_entry_state(e) for e in buffer]
+        if held:
+            d["held"] = [_entry_state(e) for e in held]
         d["central_dp"] = self.central_dp.state_dict() if self.central_dp is not None else None
         d.update(velocity_state(self._velocity))
         return d

@@ -112,6 +112,13 @@ class Strategy(ABC):
     def state_dict(self) -> dict[str, Any]:
         return {"strategy": self.name, "last_aggregated": list(self._last)}
 
+    def settled_state(self) -> dict[str, Any] | None:
+        """The :meth:`state_dict` of this strategy with no update buffered: what a resume loads before
+        it re-adds the :meth:`pending` updates (the loop stores them with their parameters), in the order
+        they arrived. None when that state cannot be told now (here: while updates are buffered; a
+        strategy whose buffered updates leave the rest of its state as it was overrides this)."""
+        return None if self.pending() else self.state_dict()
+
     def load_state_dict(self, d: dict[str, Any]) -> None:
         if d.get("strategy") != self.name:
             raise ValueError(f"state is for strategy {d.get('strategy')!r}, not {self.name!r}")
