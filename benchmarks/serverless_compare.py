@@ -120,11 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     grids = {(r["eval_every_s"], r["target_hold"]) for r in rows}
     if len(grids) != 1:  # one grid and one rule, or the comparison is not one
         raise SystemExit(f"the variants were not evaluated on one grid: (eval_every_s, target_hold) {sorted(grids)}")
-    md = render(rows, n, a)
     a.results.mkdir(parents=True, exist_ok=True)
     from provenance import provenance, write_result  # benchmarks/: on sys.path when run as a script
     extra = {"time_scale": a.time_scale} if a.wall else {}
     write_result(a.results / "serverless_compare.json", {"provenance": provenance(), "peers": n, **extra, "rows": rows})
+    from report_blocks_misc import serverless_compare  # the table README.md's block shows, from the JSON
+    md = serverless_compare(a.results)
     (a.results / "serverless_compare.md").write_text(md)
     if a.results.resolve() == (ROOT / "benchmarks" / "results").resolve():
         import report  # the README's block `serverless-compare` is generated from the JSON
@@ -144,68 +145,6 @@ def _updates_to_target(s: dict) -> int | None:
     if "events" in h:
         return int(h["events"])
     return int(h["version"]) * int(s["buffer_size"])
-
-
-def _fmt(x, digits=1) -> str:
-    return "—" if x is None else f"{x:.{digits}f}"
-
-
-def render(rows: list[dict], n: int, a) -> str:
-    wall = any("wall_time_to_target_s" in r for r in rows)
-    lines = [
-        BEGIN,
-        "## Server-less variants: time to 90 % on the same scenario",
-        "",
-        f"Quickstart scenario (digits, Dirichlet α = 0.5, MLP, log-normal speeds, seed 0) with {n} clients / peers; "
-        f"the server keeps all {n} busy (`server.concurrency={n}`, FedBuff K = 10). Virtual seconds come from the "
-        "deterministic modes (the same speed profiles and task durations as `fedasync simulate`). "
-        f"Every variant is evaluated on the same grid, every {_fmt(rows[0].get('eval_every_s'), 1)} virtual s, "
-        "and its time to 90 % is the first grid time from which accuracy ≥ 90 % holds for "
-        f"{rows[0].get('target_hold')} evaluations in a row (the server's rule, `server.eval_every_s`, "
-        "`server.target_hold`); "
-        "local trainings = updates the learners had made at that time; for gossip, "
-        "the accuracy is the average model's, the worst peer's own model is shown beside it, and the consensus "
-        "distance (1/N) Σ ||x_i − x̄||² is given when the run stopped and averaged over its measurements. "
-        "Gossip step orders (`gossip.step_order`): `paper` = AD-PSGD / A(DP)²SGD (x_j ← (x_i + x_j)/2, "
-        "x_i ← (x_i + x_j)/2 + Δ_i; the default), `symmetric` = both ← ((x_i + Δ_i) + x_j)/2.",
-        "",
-        "| variant | virtual s to 90 % | local trainings to 90 % | final acc. | worst peer acc. "
-        "| consensus dist. at stop | consensus dist. mean |"
-        + (" wall s to 90 % (peer processes) |" if wall else ""),
-        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if wall else ""),
-    ]
-    for r in rows:
-        line = (f"| {r['variant']} | {_fmt(r['virtual_time_to_target_s'])} | {r['updates_to_target'] or '—'} | "
-                f"{_fmt(r['final_accuracy'], 3)} | {_fmt(r.get('min_peer_accuracy_final'), 3)} | "
-                f"{_fmt(r.get('consensus_distance_final'), 4)} | {_fmt(r.get('consensus_distance_mean'), 4)} |")
-        if wall:
-            line += f" {_fmt(r.get('wall_time_to_target_s')) if 'wall_command' in r else 'n/a'} |"
-        lines.append(line)
-    led = next((r for r in rows if r["key"] == "ledger"), None)
-    srv = next((r for r in rows if r["key"] == "fedbuff"), None)
-    lines += ["", "Notes:", ""]
-    if led and srv:
-        same = led["model_sha256"] == srv["model_sha256"]
-        lines.append(f"- The ledger in virtual time {'is' if same else 'is NOT'} the FedBuff server's computation: "
-                     f"final model sha256 {'identical' if same else 'differs'} ({led['model_sha256'][:16]}…); the "
-                     "ledger adds signed, auditable blocks (`fedasync ledger verify` recomputes every aggregate).")
-    for r in rows:
-        if r["key"].startswith("gossip"):
-            lines.append(f"- {r['variant']}: spectral gap {r['spectral_gap']:.3g}, consensus distance at stop "
-                         f"{r['consensus_distance_final']:.3g} (max {r['consensus_distance_max']:.3g}); final model "
-                         f"sha256 {r['model_sha256'][:16]}….")
-    if wall:
-        lines.append(f"- Wall-clock: one process per peer on this machine (2 CPU cores), `--emulate-speeds` with "
-                     f"`clock.time_scale={a.time_scale}` (a peer sleeps its task's virtual duration x "
-                     f"{a.time_scale}), counted from the moment every peer was ready. The server row has no "
-                     "wall-clock figure: `simulate --backend local` runs its clients one after another.")
-    lines += ["", "Commands (virtual clock):", "", "```"]
-    lines += [r["command"] for r in rows]
-    if wall:
-        lines += ["# peer processes"] + [r["wall_command"] for r in rows if "wall_command" in r]
-    lines += ["```", "", f"Made by `python benchmarks/serverless_compare.py{' --wall' if wall else ''}` "
-              f"({time.strftime('%Y-%m-%d')}).", END, ""]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":
