@@ -45,6 +45,22 @@ def _privacy(cfg: Config, store: Store, run_id: int):
     return PeerPrivacy(cfg, store, run_id) if cfg.privacy.local_dp.enabled else None
 
 
+def _grid_until(grid: EvalGrid, clock: VirtualClock, t: float, limit: float | None) -> str | None:
+    """Before the clock moves to the next event at ``t``: record the grid times it passes (up to
+    ``server.max_virtual_time``), and the stop reason, with the clock moved there, when the target
+    has held (``target_accuracy``) or ``t`` is past the limit (``max_virtual_time``); else None. The
+    server's loop does the same (``AsyncServer._step_virtual``)."""
+    over = limit is not None and t > limit
+    at_target = grid.until(limit if over else t, inclusive=over)
+    if at_target is not None:
+        clock.advance_to(at_target)
+        return "target_accuracy"
+    if over:
+        clock.advance_to(limit)
+        return "max_virtual_time"
+    return None
+
+
 # -- ledger ------------------------------------------------------------------------------------
 
 
@@ -117,15 +133,8 @@ def simulate_ledger(cfg: Config, store: Store, max_steps: int | None = None, pro
             stop_reason = "no_peer_can_train"
             break
         tmin = min(lv.finish for lv in live.values())
-        over = limit is not None and tmin > limit
-        at_target = grid.until(limit if over else tmin, inclusive=over)  # the grid times passed
-        if at_target is not None:
-            clock.advance_to(at_target)
-            stop_reason = "target_accuracy"
-            break
-        if over:
-            clock.advance_to(limit)
-            stop_reason = "max_virtual_time"
+        stop_reason = _grid_until(grid, clock, tmin, limit)
+        if stop_reason is not None:
             break
         clock.advance_to(tmin)
         for tid in sorted(t for t, lv in live.items() if lv.finish == tmin):
@@ -224,15 +233,8 @@ def simulate_gossip(cfg: Config, store: Store, topology: str = "ring", degree: i
             stop_reason = "max_steps" if not exhausted else "no_peer_can_train"
             break
         t, i = heap[0]
-        over = limit is not None and t > limit
-        at_target = grid.until(limit if over else t, inclusive=over)  # the grid times passed
-        if at_target is not None:
-            clock.advance_to(at_target)
-            stop_reason = "target_accuracy"
-            break
-        if over:
-            clock.advance_to(limit)
-            stop_reason = "max_virtual_time"
+        stop_reason = _grid_until(grid, clock, t, limit)
+        if stop_reason is not None:
             break
         heapq.heappop(heap)
         clock.advance_to(t)
