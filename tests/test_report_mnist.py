@@ -9,32 +9,15 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import sys
 from pathlib import Path
 
 import pytest
+from test_report import _report, site  # noqa: F401 (the copy of the pages and result files: one fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 PAGES = ("mnist.md", "deployment.md")
 BLOCK = re.compile(r"<!-- report:[\w-]+ -->\n.*?<!-- /report -->", re.S)
-
-
-def _report():
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    import report
-    return report
-
-
-@pytest.fixture
-def site(tmp_path):
-    (tmp_path / "docs").mkdir()
-    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
-    shutil.copytree(ROOT / "docs" / "benchmarks", tmp_path / "docs" / "benchmarks")
-    shutil.copytree(BENCH / "results", tmp_path / "benchmarks" / "results", ignore=shutil.ignore_patterns("*.png"))
-    return tmp_path
 
 
 @pytest.mark.parametrize("page", PAGES)
