@@ -10,8 +10,6 @@ state written, and check that a store whose loop state embeds the strategy (writ
 
 from __future__ import annotations
 
-import os
-import uuid
 
 import pytest
 from sqlalchemy import create_engine, text
@@ -20,10 +18,10 @@ from fedasync.config import config_from_dict
 from fedasync.server.loop import AsyncServer
 from fedasync.server.transport import LocalTransport
 from fedasync.store import Store, dumps_state, loads_state, migrate
+from test_store import url  # noqa: F401 (a SQLite file, or a fresh PostgreSQL schema: one fixture)
 
 HIDDEN = 960  # mlp on digits, 64 -> H -> H -> 10: 64H + H + H^2 + H + 10H + 10 = 994,570 parameters
 PARAMS = 994_570
-PG = os.environ.get("FEDASYNC_TEST_POSTGRES_URL")
 
 
 def cfg_of(hidden: int, max_versions: int, momentum: float = 0.9, strategy: str = "fedbuff"):
@@ -87,26 +85,6 @@ def test_loop_states_between_aggregations_are_small_with_momentum(tmp_path):
     state = loads_state(run.loop_state)
     assert "strategy" not in state
     assert loads_state(run.strategy_state)["id"] == state["strategy_snapshot"] == 3
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def url(request, tmp_path):
-    """A store's URL: a SQLite file, or a fresh schema of ``FEDASYNC_TEST_POSTGRES_URL`` (as tests/test_store.py)."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'store.db'}"
-        return
-    if not PG:
-        pytest.skip("FEDASYNC_TEST_POSTGRES_URL is not set (source .ci/postgres.sh)")
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG)
-    with admin.begin() as c:
-        c.execute(text(f"CREATE SCHEMA {schema}"))
-    try:
-        yield f"{PG}{'&' if '?' in PG else '?'}options=-csearch_path%3D{schema}"
-    finally:
-        with admin.begin() as c:
-            c.execute(text(f"DROP SCHEMA {schema} CASCADE"))
-        admin.dispose()
 
 
 @pytest.mark.parametrize("strategy", ["fedbuff", "fedavg"])
