@@ -22,7 +22,16 @@ For a YAML scenario and a list of strategies:
    "defaults vs defaults" and "tuned vs tuned".
 
 Everything runs in-process (``fedasync.simulate``, backend ``local``), ``--jobs`` processes at a
-time (one torch thread each); progress lines go to stderr. One JSON goes to
+time (one torch thread each); progress lines go to stderr. ``--budget 1`` is defaults vs defaults:
+no tuning runs, only the report's "defaults" rows.
+
+**Run cache** (``--cache``, default ``benchmarks/.cache/tune/``, not in git; ``--no-cache`` off): each
+finished simulation is kept as ``<sha256 of its config>.json`` with the commit it ran on, and a
+later invocation with the same config takes it from there instead of running it again, so a
+protocol too long for one sitting (MNIST: hours per strategy on two cores) is finished over several,
+and a defaults-vs-defaults run is reused by the full protocol. A simulated run is a pure function
+of its config, seed and code: every run records its ``commit``, and the result file lists the
+commits its runs came from (``cache``); clear the folder after a change that moves results. One JSON goes to
 ``benchmarks/results/<--name>.json`` (``--out`` to put it elsewhere) through
 ``benchmarks/provenance.py``: the command, commit, machine and date, the budget, every variant's
 scores and histories, the chosen configs and the report rows.
@@ -37,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import itertools
 import json
 import math
@@ -207,28 +217,69 @@ def run_one(job: dict) -> dict:
                         for h in r.history]}
 
 
-def run_all(jobs: list[dict], workers: int, phase: str) -> list[dict]:
-    """Results of ``jobs`` in their order; ``workers`` processes (1: this process)."""
+def config_key(config: dict) -> str:
+    """The run cache's key of a run: sha256 of its config as canonical JSON."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def cached(cache: Path | None, config: dict) -> dict | None:
+    """The cached result of the run of ``config``, or None (no cache, not there, unreadable)."""
+    if cache is None:
+        return None
+    path = cache / f"{config_key(config)}.json"
+    try:
+        entry = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return entry["result"] if entry.get("config") == config else None
+
+
+def keep(cache: Path | None, config: dict, result: dict) -> None:
+    """Store ``result`` in the run cache (a temporary file renamed into place)."""
+    if cache is None:
+        return
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / f"{config_key(config)}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"config": config, "result": result}, sort_keys=True))
+    tmp.replace(path)
+
+
+def run_all(jobs: list[dict], workers: int, phase: str, cache: Path | None = None,
+            commit: str | None = None) -> list[dict]:
+    """Results of ``jobs`` in their order; ``workers`` processes (1: this process). A job in the run
+    cache ``cache`` is taken from it; every new result records ``commit`` and goes into the cache."""
     out: list[dict | None] = [None] * len(jobs)
     t0 = time.time()
 
-    def done(i: int, res: dict) -> None:
+    def done(i: int, res: dict, hit: bool = False) -> None:
         out[i] = res
         j = jobs[i]
+        if not hit:
+            res["commit"] = commit
+            keep(cache, j["config"], res)
         ttt = res["time_to_target_s"]
+        how = "from the cache" if hit else f"{res['wall_s']:.0f} s wall"
         print(f"[tune] {phase} {j['strategy']} point {j['point_index']} seed {res['seed']}: "
-              f"{'not reached' if ttt is None else f'{ttt:.1f} s'} ({res['stop_reason']}, {res['wall_s']:.0f} s wall; "
+              f"{'not reached' if ttt is None else f'{ttt:.1f} s'} ({res['stop_reason']}, {how}; "
               f"{sum(o is not None for o in out)}/{len(jobs)}, {time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
 
-    if workers <= 1:
-        for i, j in enumerate(jobs):
-            done(i, run_one(j))
+    todo = []
+    for i, j in enumerate(jobs):
+        res = cached(cache, j["config"])
+        if res is None:
+            todo.append(i)
+        else:
+            done(i, res, hit=True)
+    if workers <= 1 or len(todo) <= 1:
+        for i in todo:
+            done(i, run_one(jobs[i]))
     else:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
-            futures = {ex.submit(run_one, j): i for i, j in enumerate(jobs)}
+            futures = {ex.submit(run_one, jobs[i]): i for i in todo}
             for f in as_completed(futures):
                 done(futures[f], f.result())
     return out  # type: ignore[return-value]
@@ -276,11 +327,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--target-metric", default="val_accuracy")
     p.add_argument("--val-fraction", type=float, default=0.1)
     p.add_argument("--eval-every-s", type=float, default=None,
-                   help="the evaluation grid (virtual s); default: server.eval_every_s's default where it exists")
+                   help="the evaluation grid (virtual s); default: the config's server.eval_every_s (its default 2 where unset)")
     p.add_argument("--horizon", type=float, default=None, help="server.max_virtual_time of every run")
     p.add_argument("--knob", action="append", default=[], help="KEY=v1,v2,...: a knob's values (all strategies)")
     p.add_argument("--set", dest="sets", action="append", default=[], help="KEY=VALUE on the YAML, as simulate's")
     p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--cache", default=str(HERE / ".cache" / "tune"),
+                   help="the run cache folder (module docstring); default benchmarks/.cache/tune")
+    p.add_argument("--no-cache", action="store_true", help="run everything again, keep nothing")
     p.add_argument("--name", required=True)
     p.add_argument("--out", default=None, help="the result file (default benchmarks/results/<name>.json)")
     a = p.parse_args(argv)
@@ -296,6 +350,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if not 0 < a.val_fraction < 1 and a.target_metric.startswith("val_"):
         raise TuneError(f"--val-fraction: {a.val_fraction} must be in (0, 1) to tune on {a.target_metric}")
     a.strategies = [s.strip() for s in a.strategies.split(",") if s.strip()]
+    a.cache = None if a.no_cache else Path(a.cache)
     knobs = {}
     for k in a.knob:
         key, _, values = k.partition("=")
@@ -303,11 +358,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
             raise TuneError(f"--knob: {k!r} is not KEY=v1,v2,...")
         knobs[key.strip()] = _floats(values, "--knob")
     a.knob = knobs
-    if a.eval_every_s is None:
-        from fedasync.config import ServerConfig
-
-        field = ServerConfig.model_fields.get("eval_every_s")
-        a.eval_every_s = None if field is None else field.default
     return a
 
 
@@ -323,23 +373,29 @@ def tune(a: argparse.Namespace, argv: list[str], save: Any = None) -> dict:
         print(f"[tune] {n}", file=sys.stderr)
     print(f"[tune] budget: {budget} grid points per strategy x {len(a.tune_seeds)} tuning seeds "
           f"({', '.join(a.strategies)}); report on seeds {a.report_seeds}", file=sys.stderr)
+    if a.eval_every_s is None:  # the YAML's own grid (every strategy's server section is the YAML's)
+        a.eval_every_s = bases[a.strategies[0]]["server"].get("eval_every_s")
     test_metric = a.target_metric[4:] if a.target_metric.startswith("val_") else a.target_metric
     common = dict(val_fraction=a.val_fraction, eval_every_s=a.eval_every_s, horizon=a.horizon)
 
+    tuned = budget > 1  # one point: defaults vs defaults, nothing to tune
     jobs = [{"strategy": s, "point_index": i, "config": run_config(bases[s], pt, seed=seed, metric=a.target_metric,
                                                                   target=a.target, **common)}
-            for s in a.strategies for i, pt in enumerate(points[s]) for seed in a.tune_seeds]
-    results = run_all(jobs, a.jobs, "tune")
+            for s in a.strategies for i, pt in enumerate(points[s]) for seed in a.tune_seeds] if tuned else []
+    results = run_all(jobs, a.jobs, "tune", a.cache, prov["commit"])
     variants: dict[str, list[dict]] = {s: [] for s in a.strategies}
     for s in a.strategies:
         for i, pt in enumerate(points[s]):
             runs = [r for j, r in zip(jobs, results) if j["strategy"] == s and j["point_index"] == i]
+            if not runs:  # --budget 1: not tuned
+                variants[s].append({"index": i, "overrides": pt, "default": i == 0, "score": None, "runs": []})
+                continue
             sc = score(runs, a.target_metric)
             variants[s].append({"index": i, "overrides": pt, "default": i == 0, "score": {
                 "median_time_to_target_s": None if math.isinf(sc[0]) else sc[0],
                 "median_best_" + a.target_metric: -sc[1], **stats(runs)}, "runs": runs})
     chosen = {s: min(variants[s], key=lambda v: (score(v["runs"], a.target_metric), v["index"]))["index"]
-              for s in a.strategies}
+              if tuned else 0 for s in a.strategies}
     for s in a.strategies:
         print(f"[tune] {s}: best point {chosen[s]} {points[s][chosen[s]]}", file=sys.stderr)
     head = {
@@ -359,11 +415,11 @@ def tune(a: argparse.Namespace, argv: list[str], save: Any = None) -> dict:
     rjobs = [{"strategy": s, "point_index": i, "config": run_config(bases[s], points[s][i], seed=seed,
                                                                    metric=test_metric, target=a.target, **common)}
              for s, i in wanted for seed in a.report_seeds]
-    rresults = run_all(rjobs, a.jobs, "report")
+    rresults = run_all(rjobs, a.jobs, "report", a.cache, prov["commit"])
     report_runs = {f"{s}/{i}": [r for j, r in zip(rjobs, rresults) if (j["strategy"], j["point_index"]) == (s, i)]
                    for s, i in wanted}
     rows = []
-    for kind in ("defaults", "tuned"):
+    for kind in ("defaults", "tuned") if tuned else ("defaults",):
         idx = {s: 0 if kind == "defaults" else chosen[s] for s in a.strategies}
         st = {s: stats(report_runs[f"{s}/{idx[s]}"]) for s in a.strategies}
         ref = st.get("fedavg", {}).get("median_s")
@@ -371,8 +427,11 @@ def tune(a: argparse.Namespace, argv: list[str], save: Any = None) -> dict:
             med = st[s]["median_s"]
             rows.append({"comparison": kind, "strategy": s, "point": idx[s], "overrides": points[s][idx[s]], **st[s],
                          "ratio_vs_fedavg": None if not (ref and med) else round(ref / med, 3)})
+    every = [*results, *rresults]
     return {
         **head, "complete": True,
+        "cache": {"folder": None if a.cache is None else str(a.cache),
+                  "commits": sorted({str(r.get("commit")) for r in every})},
         "report_runs": report_runs, "report": rows,
     }
 

@@ -78,7 +78,7 @@ def test_a_tiny_tuning_run_writes_one_result_file(config, tmp_path, capsys, monk
     argv = ["--config", str(config), "--strategies", "fedavg,fedbuff", "--budget", "2", "--tune-seeds", "100",
             "--report-seeds", "1", "--target", "0.3", "--horizon", "6", "--name", "tiny", "--out", str(out),
             "--knob", "server.server_lr=1.0,1.5", "--knob", "server.server_momentum=0.0",
-            "--knob", "server.concurrency=4"]
+            "--knob", "server.concurrency=4", "--cache", str(tmp_path / "cache")]
     assert tune.main(argv) == 0
     r = json.loads(out.read_text())
     # the tuning phase is saved before the report runs start; the file ends complete
@@ -109,3 +109,54 @@ def test_a_tiny_tuning_run_writes_one_result_file(config, tmp_path, capsys, monk
     at = [h["virtual_time_s"] for h in report_run["history"] if h["accuracy"] >= 0.3]
     assert report_run["time_to_target_s"] is None or report_run["time_to_target_s"] in at  # on TEST accuracy
     assert "| defaults | fedavg |" in capsys.readouterr().out
+
+
+def test_the_run_cache_reuses_finished_runs_and_budget_1_runs_no_tuning(config, tmp_path, monkeypatch):
+    """A second invocation with the same configs takes every run from the cache (no simulation), with
+    the same report; ``--budget 1`` runs only the defaults on the report seeds, and its runs are the
+    same cache entries the full protocol's report uses."""
+    cache = tmp_path / "cache"
+    base = ["--config", str(config), "--strategies", "fedavg,fedbuff", "--tune-seeds", "100", "--report-seeds", "1",
+            "--target", "0.3", "--horizon", "6", "--name", "tiny", "--cache", str(cache)]
+    ran = []
+    real = tune.run_one
+    monkeypatch.setattr(tune, "run_one", lambda job: (ran.append(job["config"]["seed"]), real(job))[1])
+    assert tune.main([*base, "--budget", "1", "--out", str(tmp_path / "a.json")]) == 0
+    a = json.loads((tmp_path / "a.json").read_text())
+    assert ran == [1, 1]  # no tuning seed ran: one report run per strategy
+    assert {(r["comparison"], r["strategy"]) for r in a["report"]} == {("defaults", "fedavg"), ("defaults", "fedbuff")}
+    assert all(v["runs"] == [] and v["score"] is None for vs in a["variants"].values() for v in vs)
+    assert a["cache"]["commits"] == [a["provenance"]["commit"]] and len(list(cache.glob("*.json"))) == 2
+
+    ran.clear()
+    assert tune.main([*base, "--budget", "1", "--out", str(tmp_path / "b.json")]) == 0
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert ran == [] and b["report"] == a["report"] and b["report_runs"] == a["report_runs"]
+
+    ran.clear()  # the full protocol: its report runs of the defaults come from the cache
+    assert tune.main([*base, "--budget", "2", "--knob", "server.server_momentum=0.0", "--knob", "server.concurrency=4",
+                      "--knob", "server.server_lr=1.0,1.5", "--out", str(tmp_path / "c.json")]) == 0
+    c = json.loads((tmp_path / "c.json").read_text())
+    assert sorted(ran).count(100) == 4 and ran.count(1) == sum(c["chosen"][s]["index"] != 0 for s in ("fedavg", "fedbuff"))
+    assert c["report_runs"]["fedavg/0"] == a["report_runs"]["fedavg/0"]
+
+    ran.clear()  # --no-cache runs again; a changed config is another key
+    assert tune.main([*base, "--budget", "1", "--no-cache", "--out", str(tmp_path / "d.json")]) == 0
+    assert ran == [1, 1]
+    assert tune.config_key({"a": 1, "b": 2}) == tune.config_key({"b": 2, "a": 1}) != tune.config_key({"a": 1})
+
+
+def test_the_grid_is_the_yamls_own_unless_given(tmp_path):
+    """Without ``--eval-every-s`` the runs keep the YAML's ``server.eval_every_s`` (examples/mnist.yaml
+    evaluates every 10 s; it used to be replaced by the default 2)."""
+    p = tmp_path / "grid.yaml"
+    p.write_text(YAML.replace("max_virtual_time: 6}", "max_virtual_time: 6, eval_every_s: 3}"))
+    base = ["--config", str(p), "--strategies", "fedbuff", "--budget", "1", "--report-seeds", "1", "--target", "0.99",
+            "--horizon", "6", "--name", "g", "--no-cache"]
+    assert tune.main([*base, "--out", str(tmp_path / "a.json")]) == 0
+    a = json.loads((tmp_path / "a.json").read_text())
+    assert a["protocol"]["eval_every_s"] == 3.0
+    assert [h["virtual_time_s"] for h in a["report_runs"]["fedbuff/0"][0]["history"]] == [0.0, 3.0, 6.0]
+    assert tune.main([*base, "--eval-every-s", "2", "--out", str(tmp_path / "b.json")]) == 0
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert [h["virtual_time_s"] for h in b["report_runs"]["fedbuff/0"][0]["history"]] == [0.0, 2.0, 4.0, 6.0]
