@@ -5,7 +5,8 @@ runs, one after the other:
 
 1. a warm-up: one short task per node, so that every actor has imported torch and built the
    data and model before any timing starts (reported as ``warmup_s``, with the engine start);
-2. Flower's ``flwr.serverapp.strategy.FedAvg`` and its ``start()`` loop, ``fraction_train`` =
+2. Flower's ``flwr.serverapp.strategy.FedAvg`` (``flower-fedavg``; ``flower-fedavg:server_lr=X:server_momentum=Y``
+   is Flower's ``FedAvgM`` with that server learning rate and momentum) and its ``start()`` loop, ``fraction_train`` =
    ``server.concurrency / data.num_clients`` (20 of 100 clients per round, as fedasync's
    quickstart), central evaluation with ``evaluate_fn`` after every round, no client-side
    evaluation (``fraction_evaluate=0``: fedasync evaluates centrally too);
@@ -58,6 +59,9 @@ from flwr.serverapp import Grid, ServerApp
 from fedasync.clients.app import train as fedasync_train
 from fedasync.config import Config, load_config
 from fedasync.wire import content_to_result, params_to_record, record_to_params, task_content
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import provenance  # noqa: E402  (benchmarks/ is this script's folder)
 
 app = ClientApp()
 
@@ -143,8 +147,22 @@ class TargetReached(Exception):
     """Ends Flower's start() loop once the target has held on the grid."""
 
 
-def _flower(grid: Grid, cfg: Config, tl: Curve, max_wall_s: float, time_scale: float) -> dict:
-    from flwr.serverapp.strategy import FedAvg
+def flower_options(keys: list[str]) -> dict[str, float]:
+    """``server_lr=X`` / ``server_momentum=Y`` of a ``flower-fedavg:...`` run as Flower's FedAvgM arguments."""
+    names = {"server_lr": "server_learning_rate", "server_momentum": "server_momentum"}
+    out = {}
+    for k in keys:
+        key, _, value = k.partition("=")
+        if key not in names or not value:
+            raise SystemExit(f"--runs: flower-fedavg takes server_lr=X and server_momentum=Y, not {k!r}")
+        out[names[key]] = float(value)
+    return out
+
+
+def _flower(grid: Grid, cfg: Config, tl: Curve, max_wall_s: float, time_scale: float,
+            options: dict[str, float] | None = None) -> dict:
+    """Flower's FedAvg; with ``options`` (server_learning_rate, server_momentum) Flower's FedAvgM."""
+    from flwr.serverapp.strategy import FedAvg, FedAvgM
 
     from fedasync.server.transport import client_setup_json
     from fedasync.task.data import load_federated, load_test
@@ -162,8 +180,8 @@ def _flower(grid: Grid, cfg: Config, tl: Curve, max_wall_s: float, time_scale: f
     t_start = time.perf_counter()
     rounds = {"n": 0}
 
-    class TimedFedAvg(FedAvg):
-        """Flower's FedAvg; only counts its rounds."""
+    class TimedFedAvg(FedAvgM if options else FedAvg):
+        """Flower's FedAvg (FedAvgM with ``options``); only counts its rounds."""
 
         def configure_train(self, server_round, arrays, config, grid):
             msgs = list(super().configure_train(server_round, arrays, config, grid))
@@ -181,7 +199,7 @@ def _flower(grid: Grid, cfg: Config, tl: Curve, max_wall_s: float, time_scale: f
         return MetricRecord({"accuracy": acc, "loss": loss})
 
     strategy = TimedFedAvg(fraction_train=cfg.server.concurrency / cfg.data.num_clients, fraction_evaluate=0.0,
-                           min_available_nodes=cfg.data.num_clients)
+                           min_available_nodes=cfg.data.num_clients, **(options or {}))
     try:
         strategy.start(grid=grid, initial_arrays=params_to_record(params), num_rounds=100_000,
                        train_config=ConfigRecord({"fedasync-plan": json.dumps(plan)}), evaluate_fn=evaluate_fn)
@@ -243,8 +261,8 @@ def main() -> None:
     ap.add_argument("--pool", choices=["per-actor", "flower-default"], default="per-actor",
                     help="the engine's worker threads: one per actor, or Flower's min(32, cpus + 4)")
     ap.add_argument("--runs", default="fedbuff,flower-fedavg,fedasync",
-                    help="comma-separated: flower-fedavg, or a fedasync strategy with optional server keys "
-                         "as in --compare (fedbuff:scheduler.name=fastest)")
+                    help="comma-separated: flower-fedavg (Flower's FedAvgM with :server_lr=X:server_momentum=Y), "
+                         "or a fedasync strategy with optional server keys as in --compare (fedbuff:scheduler.name=fastest)")
     ap.add_argument("--worker-niceness", type=int, default=0,
                     help="niceness of the Ray actors, both sides (Ray's default 15 starves them on a busy machine)")
     ap.add_argument("--max-wall", type=float, default=2400.0, help="give up on a run after this many seconds")
@@ -276,7 +294,8 @@ def main() -> None:
     quiet_flower(args.verbose)
     os.environ["RAY_worker_niceness"] = str(args.worker_niceness)  # read by the raylet run_simulation starts
     load0 = os.getloadavg()
-    result: dict = {"command": "python " + " ".join(sys.argv), "time_scale": args.time_scale,
+    result: dict = {"provenance": provenance(sys.argv),
+                    "command": "python " + " ".join(sys.argv), "time_scale": args.time_scale,
                     "actors": args.actors, "pool": args.pool, "worker_niceness": args.worker_niceness,
                     "num_clients": base.data.num_clients,
                     "concurrency": base.server.concurrency, "target_accuracy": target,
@@ -304,8 +323,8 @@ def main() -> None:
                 tl = Curve(target, hold, every)
                 t0 = time.perf_counter()
                 print(f"[{time.strftime('%H:%M:%S')}] {name} ...", flush=True)
-                if name == "flower-fedavg":
-                    info = _flower(grid, base, tl, args.max_wall, args.time_scale)
+                if name.split(":")[0] == "flower-fedavg":  # flower-fedavg[:server_lr=X][:server_momentum=Y]
+                    info = _flower(grid, base, tl, args.max_wall, args.time_scale, flower_options(name.split(":")[1:]))
                 else:
                     # "fedbuff" or, as in --compare, "fedbuff:scheduler.name=fastest" (server keys)
                     strategy, *keys = name.split(":")
@@ -320,10 +339,13 @@ def main() -> None:
                     "curve": [(r["virtual_time_s"], r["accuracy"]) for r in tl.rows]}
                 print(f"  {name}: {result['runs'][name]['time_to_target_s']} s to {target:.0%}", flush=True)
                 save()
-        base_t = result["runs"].get("flower-fedavg", {}).get("time_to_target_s")
-        result["speedup_vs_flower_fedavg"] = {
-            n: (None if not base_t or not r["time_to_target_s"] else round(base_t / r["time_to_target_s"], 3))
-            for n, r in result["runs"].items()}
+        def ratios(base_t):
+            return {n: (None if not base_t or not r["time_to_target_s"] else round(base_t / r["time_to_target_s"], 3))
+                    for n, r in result["runs"].items()}
+
+        result["speedup_vs_flower_fedavg"] = ratios(result["runs"].get("flower-fedavg", {}).get("time_to_target_s"))
+        result["speedup_vs"] = {n: ratios(r["time_to_target_s"]) for n, r in result["runs"].items()
+                                if n.startswith("flower-fedavg")}  # each Flower run (FedAvg, FedAvgM) as the base
         save()
 
     cpus = os.cpu_count() or 1
