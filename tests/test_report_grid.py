@@ -1,0 +1,88 @@
+"""benchmarks/report_blocks.py's blocks of issue 34's protocol: MNIST on the evaluation grid (defaults vs
+defaults, or tuned vs tuned once the full protocol's file is complete) and the wall clock on the grid
+against Flower's FedAvg and FedAvgM; every figure they print comes from the file."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import report_blocks as rb  # noqa: E402
+
+PROV = {"command": "python benchmarks/tune.py --name x", "commit": "a" * 40, "dirty": False,
+        "machine": {"nproc": 2}, "date": "2026-12-06T23:00:00Z"}
+
+
+def _row(kind, strategy, median, lo, hi, ratio, reached="3/3"):
+    return {"comparison": kind, "strategy": strategy, "point": 0, "overrides": {"train.lr": 0.1},
+            "median_s": median, "min_s": lo, "max_s": hi, "reached": reached, "ratio_vs_fedavg": ratio}
+
+
+def _tuning(budget, rows, complete=True):
+    return {"provenance": PROV, "complete": complete, "report": rows,
+            "protocol": {"budget": budget, "strategies": ["fedavg", "fedbuff"], "knobs": {"fedavg": {}, "fedbuff": {}},
+                         "target": 0.97, "tune_metric": "val_accuracy", "report_metric": "accuracy",
+                         "val_fraction": 0.05, "tune_seeds": [100, 101], "report_seeds": [1, 2, 3],
+                         "horizon": 1800.0, "eval_every_s": 10.0}}
+
+
+@pytest.fixture
+def results(tmp_path):
+    return tmp_path
+
+
+def _write(results: Path, name: str, payload: dict) -> None:
+    (results / name).write_text(json.dumps(payload))
+
+
+def test_mnist_defaults_are_published_and_tuned_is_said_missing(results):
+    assert "not been run" in rb.mnist_grid(results)
+    _write(results, "mnist_defaults.json", _tuning(1, [_row("defaults", "fedavg", 1230.0, 1100.0, 1400.0, 1.0),
+                                                        _row("defaults", "fedbuff", 310.0, 290.0, 330.0, 3.968)]))
+    block = rb.mnist_grid(results)
+    assert "Defaults vs defaults" in block and "| defaults | fedbuff |" in block and "| tuned |" not in block
+    assert "310.0 (290.0–330.0)" in block and "3.97" in block and "**not measured yet**" in block
+    readme = rb._readme_mnist(results)
+    assert "**3.97×**" in readme and "1,230.0 (1,100.0–1,400.0)" in readme and "not measured yet" in readme
+    assert "`mnist_defaults.json`" in readme and "commit aaaaaaa" in readme
+
+
+def test_a_complete_tuning_file_replaces_the_defaults_and_an_incomplete_one_does_not(results):
+    _write(results, "mnist_defaults.json", _tuning(1, [_row("defaults", "fedavg", 1230.0, 1100.0, 1400.0, 1.0),
+                                                        _row("defaults", "fedbuff", 310.0, 290.0, 330.0, 3.968)]))
+    tuned = [_row("defaults", "fedavg", 1230.0, 1100.0, 1400.0, 1.0), _row("defaults", "fedbuff", 310.0, 290.0, 330.0, 3.968),
+             _row("tuned", "fedavg", 600.0, 560.0, 650.0, 1.0), _row("tuned", "fedbuff", 200.0, 190.0, 220.0, 3.0)]
+    _write(results, "mnist_tuning.json", _tuning(6, tuned, complete=False))
+    assert rb.mnist_grid_file(results) == "mnist_defaults.json"  # a stopped protocol is not published
+    _write(results, "mnist_tuning.json", _tuning(6, tuned))
+    assert rb.mnist_grid_file(results) == "mnist_tuning.json"
+    block = rb.mnist_grid(results)
+    assert "Tuned on validation" in block and "| tuned | fedbuff |" in block and "not measured" not in block
+    readme = rb._readme_mnist(results)
+    assert "tuned vs tuned (each over 6 points" in readme and "**3.00×**" in readme and "FedAvgM in 600.0" in readme
+
+
+def test_the_wall_clock_grid_names_each_flower_baseline(results):
+    assert "Not run yet" in rb.wall_clock_grid(results)
+    fedbuff = {"time_to_target_s": 250.0, "wall_s": 260.0, "best_accuracy": 0.91, "versions": 100, "updates": 1000}
+    avg = {"time_to_target_s": 1200.0, "wall_s": 1200.0, "best_accuracy": 0.9, "rounds": 80, "updates": 1600}
+    avgm = {"time_to_target_s": 500.0, "wall_s": 500.0, "best_accuracy": 0.9, "rounds": 30, "updates": 600}
+    m = "flower-fedavg:server_lr=1.0:server_momentum=0.9"
+    _write(results, "wall_clock_grid.json", {
+        "provenance": PROV, "time_scale": 4.0, "eval_every_wall_s": 8.0, "target_hold": 3, "target_accuracy": 0.9,
+        "engine_start_s": 10.0, "warmup_s": 90.0, "runs": {"fedbuff": fedbuff, m: avgm, "flower-fedavg": avg},
+        "speedup_vs": {m: {"fedbuff": 2.0, m: 1.0, "flower-fedavg": 0.417},
+                       "flower-fedavg": {"fedbuff": 4.8, m: 2.4, "flower-fedavg": 1.0}}})
+    table = rb.wall_clock_grid(results)
+    assert "| vs Flower FedAvgM, `server_lr` 1.0, `server_momentum` 0.9 | vs Flower FedAvg |" in table
+    assert "| 250.0 | 0.9100 | 2.00× | 4.80× |" in table and "100 s, not counted" in table
+    readme = rb._readme_wallclock(results)
+    assert "4.80× sooner than Flower's own FedAvg (1,200.0 s)" in readme
+    assert "2.00× sooner than Flower's own FedAvgM (`server_lr` 1.0, `server_momentum` 0.9) (500.0 s)" in readme
+    assert "grid of 8 wall s" in readme
