@@ -59,6 +59,10 @@ def test_a_run_config_tunes_on_validation_with_the_grid():
     assert out["server"]["eval_every_s"] == 2.0 and "eval_every" not in out["server"]
     assert out["server"]["max_virtual_time"] == 50 and out["server"]["stop_at_target"] is True
     assert raw["train"]["lr"] == 0.1  # not changed in place
+    assert "test_samples" not in out["data"]
+    sub = tune.run_config(raw, {}, seed=100, metric="val_accuracy", target=0.8, val_fraction=0.1, eval_every_s=2.0,
+                          horizon=50, test_samples=100)
+    assert sub["data"]["test_samples"] == 100
 
 
 def test_bad_flags_are_one_line(capsys, config):
@@ -67,6 +71,8 @@ def test_bad_flags_are_one_line(capsys, config):
     assert err == "tune: --report-seeds: [2] are tuning seeds too (report on seeds never tuned on)"
     assert tune.main(["--config", str(config), "--name", "x", "--val-fraction", "0"]) == 2
     assert "--val-fraction" in capsys.readouterr().err
+    assert tune.main(["--config", str(config), "--name", "x", "--tune-test-samples", "0"]) == 2
+    assert "--tune-test-samples" in capsys.readouterr().err
 
 
 def test_a_tiny_tuning_run_writes_one_result_file(config, tmp_path, capsys, monkeypatch):
