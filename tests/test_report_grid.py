@@ -24,8 +24,16 @@ def _row(kind, strategy, median, lo, hi, ratio, reached="3/3"):
             "median_s": median, "min_s": lo, "max_s": hi, "reached": reached, "ratio_vs_fedavg": ratio}
 
 
-def _tuning(budget, rows, complete=True):
-    return {"provenance": PROV, "complete": complete, "report": rows,
+def _runs(times):
+    return [{"seed": seed, "time_to_target_s": t} for seed, t in zip((1, 2, 3), times)]
+
+
+#: per seed: fedavg 1400, 1230, 1100 against fedbuff 330, 310, 290 (ratios 4.24, 3.97, 3.79)
+RUNS = {"fedavg/0": _runs([1400.0, 1230.0, 1100.0]), "fedbuff/0": _runs([330.0, 310.0, 290.0])}
+
+
+def _tuning(budget, rows, complete=True, runs=None):
+    return {"provenance": PROV, "complete": complete, "report": rows, "report_runs": runs or RUNS,
             "protocol": {"budget": budget, "strategies": ["fedavg", "fedbuff"], "knobs": {"fedavg": {}, "fedbuff": {}},
                          "target": 0.97, "tune_metric": "val_accuracy", "report_metric": "accuracy",
                          "val_fraction": 0.05, "tune_seeds": [100, 101], "report_seeds": [1, 2, 3],
@@ -48,8 +56,10 @@ def test_mnist_defaults_are_published_and_tuned_is_said_missing(results):
     block = rb.mnist_grid(results)
     assert "Defaults vs defaults" in block and "| defaults | fedbuff |" in block and "| tuned |" not in block
     assert "310.0 (290.0–330.0)" in block and "3.97" in block and "**not measured yet**" in block
+    assert "| 3/3 | 3.97 | 3.79–4.24 |" in block  # FedAvg's time over FedBuff's, seed by seed
     readme = rb._readme_mnist(results)
     assert "**3.97×**" in readme and "1,230.0 (1,100.0–1,400.0)" in readme and "not measured yet" in readme
+    assert "3.79–4.24× seed by seed" in readme and "97 % test accuracy" in readme
     assert "`mnist_defaults.json`" in readme and "commit aaaaaaa" in readme
 
 
@@ -58,14 +68,17 @@ def test_a_complete_tuning_file_replaces_the_defaults_and_an_incomplete_one_does
                                                         _row("defaults", "fedbuff", 310.0, 290.0, 330.0, 3.968)]))
     tuned = [_row("defaults", "fedavg", 1230.0, 1100.0, 1400.0, 1.0), _row("defaults", "fedbuff", 310.0, 290.0, 330.0, 3.968),
              _row("tuned", "fedavg", 600.0, 560.0, 650.0, 1.0), _row("tuned", "fedbuff", 200.0, 190.0, 220.0, 3.0)]
-    _write(results, "mnist_tuning.json", _tuning(6, tuned, complete=False))
+    tuned[2]["point"], tuned[3]["point"] = 2, 3
+    runs = {**RUNS, "fedavg/2": _runs([600.0, 650.0, None]), "fedbuff/3": _runs([200.0, 190.0, 220.0])}
+    _write(results, "mnist_tuning.json", _tuning(6, tuned, complete=False, runs=runs))
     assert rb.mnist_grid_file(results) == "mnist_defaults.json"  # a stopped protocol is not published
-    _write(results, "mnist_tuning.json", _tuning(6, tuned))
+    _write(results, "mnist_tuning.json", _tuning(6, tuned, runs=runs))
     assert rb.mnist_grid_file(results) == "mnist_tuning.json"
     block = rb.mnist_grid(results)
     assert "Tuned on validation" in block and "| tuned | fedbuff |" in block and "not measured" not in block
     readme = rb._readme_mnist(results)
     assert "tuned vs tuned (each over 6 points" in readme and "**3.00×**" in readme and "FedAvgM in 600.0" in readme
+    assert "3.00–3.42× seed by seed" in readme  # seed 3: FedAvgM did not reach the target, left out
 
 
 def test_the_wall_clock_grid_names_each_flower_baseline(results):
