@@ -238,8 +238,35 @@ def _readme_mnist(results: Path) -> str:
     return out + f" (`{name}`: {made_by(results, name)})."
 
 
-#: the wall clock on the evaluation grid; the earlier files (old protocol) when it is absent
+#: the wall clock on the evaluation grid: each side at defaults (Flower also as FedAvgM with the
+#: quickstart's tuned server momentum), then each side tuned; the earlier files (old protocol) when absent
 WALL_GRID = "wall_clock_grid.json"
+WALL_GRID_TUNED = "wall_clock_grid_tuned.json"
+
+
+def wall_label(key: str) -> str:
+    """A wall-clock run's name: ``flower-fedavg[:k=v...]`` (FedAvgM with options), ``fedbuff[:k=v...]``."""
+    name, *kvs = key.split(":")
+    opts = ", ".join(f"`{kv.split('=')[0]}` {kv.split('=')[1]}" for kv in kvs)
+    if name == "flower-fedavg":
+        return f"Flower FedAvgM, {opts}" if kvs else "Flower FedAvg"
+    if not kvs:
+        return WALL_LABELS.get(key, key)
+    return f"fedasync {'FedBuff' if name == 'fedbuff' else name}, {opts}"
+
+
+def _wall_ratios(results: Path, name: str) -> list[str]:
+    """"R× sooner than <Flower run> (T s)" for the file's fedasync run against each of its Flower runs."""
+    w = load(results, name)
+    mine = next(k for k in w["runs"] if not k.startswith("flower-fedavg"))
+    out = []
+    for key, r in w["runs"].items():
+        if key.startswith("flower-fedavg"):
+            label = wall_label(key).replace("Flower ", "Flower's own ")
+            ratio = w["speedup_vs"][key].get(mine)
+            out.append(f"{fmt(ratio, 2)}× sooner than {label} ({fmt(r['time_to_target_s'], 1)} s)" if ratio
+                       else f"{label} did not reach it in {fmt(r['wall_s'], 0)} s")
+    return out
 
 
 def _readme_wallclock(results: Path) -> str:
@@ -254,21 +281,17 @@ def _readme_wallclock(results: Path) -> str:
                 "quickstart's own settings " + " and ".join(f"{fmt(b, 2)}×" for _, _, b in ratios) + " ("
                 + ", ".join(f"`{n}`" for n, _, _ in ratios) + f"; {OLD_PROTOCOL['wall_clock_vs_flower_lr15.json']}).")
     w = load(results, WALL_GRID)
-    runs = w["runs"]
-    fb = runs.get("fedbuff", {}).get("time_to_target_s")
-    parts = []
-    for key, r in runs.items():
-        if key.startswith("flower-fedavg"):
-            opts = dict(kv.split("=") for kv in key.split(":")[1:])
-            label = ("Flower's own FedAvg" if not opts else
-                     "Flower's own FedAvgM (" + ", ".join(f"`{k}` {v}" for k, v in opts.items()) + ")")
-            ratio = w["speedup_vs"][key].get("fedbuff")
-            parts.append(f"{fmt(ratio, 2)}× sooner than {label} ({fmt(r['time_to_target_s'], 1)} s)"
-                         if ratio else f"{label} did not reach it in {fmt(r['wall_s'], 0)} s")
-    return (f" On the wall clock, Flower's simulation engine, the quickstart's clock ×{w['time_scale']:g} and both sides "
-            f"read on one grid of {w['eval_every_wall_s']:g} wall s (target held {w['target_hold']} in a row), FedBuff "
-            f"at defaults reached {w['target_accuracy']:.0%} in {fmt(fb, 1)} s: " + "; ".join(parts)
-            + f" (`{WALL_GRID}`, one engine start: {made_by(results, WALL_GRID)}).")
+    fb = w["runs"].get("fedbuff", {}).get("time_to_target_s")
+    out = (f" On the wall clock (Flower's simulation engine, the quickstart's clock ×{w['time_scale']:g}, both sides read "
+           f"on one grid of {w['eval_every_wall_s']:g} wall s, the target held {w['target_hold']} in a row), FedBuff "
+           f"at defaults reached {w['target_accuracy'] * 100:g} % in {fmt(fb, 1)} s: " + "; ".join(_wall_ratios(results, WALL_GRID))
+           + f" (`{WALL_GRID}`, one engine start)")
+    if (results / WALL_GRID_TUNED).is_file():
+        t = load(results, WALL_GRID_TUNED)
+        mine = next(k for k in t["runs"] if not k.startswith("flower-fedavg"))
+        out += (f"; tuned against tuned ({wall_label(mine)}, the quickstart's tuned point): "
+                + "; ".join(_wall_ratios(results, WALL_GRID_TUNED)) + f" (`{WALL_GRID_TUNED}`)")
+    return out + "."
 
 
 def readme_mnist_wallclock(results: Path) -> str:
@@ -302,24 +325,28 @@ def wall_clock_table(results: Path) -> str:
     return (f"`{name}`: {made_by(results, name)}; {protocol(results, name)}.\n\n" + "\n".join(rows) + "\n")
 
 
-def wall_clock_grid(results: Path) -> str:
-    """The wall clock on the evaluation grid (``wall_clock_grid.json``): every run against each Flower run."""
-    if not (results / WALL_GRID).is_file():
-        return f"Not run yet on the evaluation grid (`{WALL_GRID}`).\n"
-    w = load(results, WALL_GRID)
+def _wall_grid_table(results: Path, name: str) -> str:
+    w = load(results, name)
     bases = [k for k in w["runs"] if k.startswith("flower-fedavg")]
-    label = lambda k: ("Flower FedAvgM, " + ", ".join(f"`{kv.split('=')[0]}` {kv.split('=')[1]}" for kv in k.split(":")[1:])  # noqa: E731
-                       if ":" in k else WALL_LABELS.get(k, k))
-    rows = ["| run | wall s to 90 % | best acc | " + " | ".join(f"vs {label(b)}" for b in bases)
+    rows = ["| run | wall s to 90 % | best acc | " + " | ".join(f"vs {wall_label(b)}" for b in bases)
             + " | rounds / versions | updates |", "|---|---:|---:|" + "---:|" * len(bases) + "---:|---:|"]
     for k, r in w["runs"].items():
         n = f"{r['rounds']} rounds" if "rounds" in r else fmt(r.get("versions"), 0)
         vs = " | ".join(f"{fmt(w['speedup_vs'][b].get(k), 2)}×" for b in bases)
-        rows.append(f"| {label(k)} | {fmt(r['time_to_target_s'], 1)} | {fmt(r['best_accuracy'], 4)} | {vs} | {n} | "
+        rows.append(f"| {wall_label(k)} | {fmt(r['time_to_target_s'], 1)} | {fmt(r['best_accuracy'], 4)} | {vs} | {n} | "
                     f"{fmt(r['updates'], 0)} |")
-    return (f"`{WALL_GRID}`: {made_by(results, WALL_GRID)}; grid every {w['eval_every_wall_s']:g} wall s on both sides, "
-            f"the target held {w['target_hold']} grid times in a row; engine start and warm-up "
+    return (f"`{name}`: {made_by(results, name)}; {w['actors']} actors; grid every {w['eval_every_wall_s']:g} wall s on "
+            f"both sides, the target held {w['target_hold']} grid times in a row; engine start and warm-up "
             f"{fmt(w.get('engine_start_s', 0) + w.get('warmup_s', 0), 0)} s, not counted.\n\n" + "\n".join(rows) + "\n")
+
+
+def wall_clock_grid(results: Path) -> str:
+    """The wall clock on the evaluation grid: every run against each Flower run of its engine start,
+    at defaults (``wall_clock_grid.json``) and tuned (``wall_clock_grid_tuned.json``)."""
+    files = [n for n in (WALL_GRID, WALL_GRID_TUNED) if (results / n).is_file()]
+    if not files:
+        return f"Not run yet on the evaluation grid (`{WALL_GRID}`).\n"
+    return "\n".join(_wall_grid_table(results, n) for n in files)
 
 
 # Each wall-clock file and, for a file without a Flower run, the file whose Flower run it is set against.

@@ -87,15 +87,27 @@ def test_the_wall_clock_grid_names_each_flower_baseline(results):
     avg = {"time_to_target_s": 1200.0, "wall_s": 1200.0, "best_accuracy": 0.9, "rounds": 80, "updates": 1600}
     avgm = {"time_to_target_s": 500.0, "wall_s": 500.0, "best_accuracy": 0.9, "rounds": 30, "updates": 600}
     m = "flower-fedavg:server_lr=1.0:server_momentum=0.9"
+    head = {"provenance": PROV, "time_scale": 4.0, "eval_every_wall_s": 8.0, "target_hold": 3, "target_accuracy": 0.9,
+            "actors": 20, "engine_start_s": 10.0, "warmup_s": 90.0}
     _write(results, "wall_clock_grid.json", {
-        "provenance": PROV, "time_scale": 4.0, "eval_every_wall_s": 8.0, "target_hold": 3, "target_accuracy": 0.9,
-        "engine_start_s": 10.0, "warmup_s": 90.0, "runs": {"fedbuff": fedbuff, m: avgm, "flower-fedavg": avg},
+        **head, "runs": {"fedbuff": fedbuff, m: avgm, "flower-fedavg": avg},
         "speedup_vs": {m: {"fedbuff": 2.0, m: 1.0, "flower-fedavg": 0.417},
                        "flower-fedavg": {"fedbuff": 4.8, m: 2.4, "flower-fedavg": 1.0}}})
     table = rb.wall_clock_grid(results)
     assert "| vs Flower FedAvgM, `server_lr` 1.0, `server_momentum` 0.9 | vs Flower FedAvg |" in table
-    assert "| 250.0 | 0.9100 | 2.00× | 4.80× |" in table and "100 s, not counted" in table
+    assert "| 250.0 | 0.9100 | 2.00× | 4.80× |" in table and "100 s, not counted" in table and "20 actors" in table
     readme = rb._readme_wallclock(results)
     assert "4.80× sooner than Flower's own FedAvg (1,200.0 s)" in readme
-    assert "2.00× sooner than Flower's own FedAvgM (`server_lr` 1.0, `server_momentum` 0.9) (500.0 s)" in readme
-    assert "grid of 8 wall s" in readme
+    assert "2.00× sooner than Flower's own FedAvgM, `server_lr` 1.0, `server_momentum` 0.9 (500.0 s)" in readme
+    assert "grid of 8 wall s" in readme and "tuned against tuned" not in readme
+
+    tuned = {"time_to_target_s": 150.0, "wall_s": 160.0, "best_accuracy": 0.92, "versions": 90, "updates": 900}
+    _write(results, "wall_clock_grid_tuned.json", {
+        **head, "actors": 40, "runs": {"fedbuff:concurrency=40": tuned, m: {**avgm, "time_to_target_s": 450.0}},
+        "speedup_vs": {m: {"fedbuff:concurrency=40": 3.0, m: 1.0}}})
+    both = rb.wall_clock_grid(results)
+    assert both.startswith(table) and "40 actors" in both
+    assert "| fedasync FedBuff, `concurrency` 40 | 150.0 | 0.9200 | 3.00× |" in both
+    readme = rb._readme_wallclock(results)
+    assert ("tuned against tuned (fedasync FedBuff, `concurrency` 40, the quickstart's tuned point): 3.00× sooner than "
+            "Flower's own FedAvgM, `server_lr` 1.0, `server_momentum` 0.9 (450.0 s)") in readme
