@@ -128,6 +128,11 @@ def seed_ratios(d: dict, row: dict) -> list[float]:
                   if r["time_to_target_s"] and base.get(r["seed"]))
 
 
+def _span(r: dict) -> str:
+    """`` (min–max)`` of a tune.py report row's times; empty when they agree."""
+    return f" ({fmt(r['min_s'], 1)}–{fmt(r['max_s'], 1)})" if r["min_s"] != r["max_s"] else ""
+
+
 def _ratio_span(d: dict, row: dict) -> str:
     rs = seed_ratios(d, row)
     return f"{fmt(rs[0], 2)}–{fmt(rs[-1], 2)}" if rs and row["strategy"] != "fedavg" else "-"
@@ -157,8 +162,7 @@ def tuning_table(results: Path, name: str) -> str:
             "| per seed |\n|---|---|---|---|---|---|---|\n")
     for r in d["report"]:
         setting = ", ".join(f"`{k.split('.')[-1]}` {v:g}" for k, v in r["overrides"].items())
-        span = f" ({fmt(r['min_s'], 1)}–{fmt(r['max_s'], 1)})" if r["min_s"] != r["max_s"] else ""
-        out += (f"| {r['comparison']} | {r['strategy']} | {setting} | {fmt(r['median_s'], 1)}{span} | "
+        out += (f"| {r['comparison']} | {r['strategy']} | {setting} | {fmt(r['median_s'], 1)}{_span(r)} | "
                 f"{r['reached']} | {fmt(r['ratio_vs_fedavg'], 2)} | {_ratio_span(d, r)} |\n")
     return out + ("\nThe ratio is FedAvg's median over the strategy's; *per seed*: FedAvg's time over the strategy's "
                   "on the same seed, lowest and highest.\n")
@@ -199,10 +203,6 @@ def mnist_grid(results: Path) -> str:
 
 def _row(d: dict, run: str) -> dict:
     return next(r for r in d["rows"] if r["run"] == run)
-
-
-def _span(r: dict) -> str:
-    return f" ({fmt(r['min_s'], 1)}–{fmt(r['max_s'], 1)})" if r["min_s"] != r["max_s"] else ""
 
 
 def _readme_mnist(results: Path) -> str:

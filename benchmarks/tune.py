@@ -25,7 +25,10 @@ For a YAML scenario and a list of strategies:
 
 Everything runs in-process (``fedasync.simulate``, backend ``local``), ``--jobs`` processes at a
 time (one torch thread each); progress lines go to stderr. ``--budget 1`` is defaults vs defaults:
-no tuning runs, only the report's "defaults" rows.
+no tuning runs, only the report's "defaults" rows. One JSON goes to
+``benchmarks/results/<--name>.json`` (``--out`` to put it elsewhere) through
+``benchmarks/provenance.py``: the command, commit, machine and date, the budget, every variant's
+scores and histories, the chosen configs and the report rows.
 
 **Run cache** (``--cache``, default ``benchmarks/.cache/tune/``, not in git; ``--no-cache`` off): each
 finished simulation is kept as ``<sha256 of its config>.json`` with the commit it ran on, and a
@@ -33,10 +36,7 @@ later invocation with the same config takes it from there instead of running it 
 protocol too long for one sitting (MNIST: hours per strategy on two cores) is finished over several,
 and a defaults-vs-defaults run is reused by the full protocol. A simulated run is a pure function
 of its config, seed and code: every run records its ``commit``, and the result file lists the
-commits its runs came from (``cache``); clear the folder after a change that moves results. One JSON goes to
-``benchmarks/results/<--name>.json`` (``--out`` to put it elsewhere) through
-``benchmarks/provenance.py``: the command, commit, machine and date, the budget, every variant's
-scores and histories, the chosen configs and the report rows.
+commits its runs came from (``cache``); clear the folder after a change that moves results.
 
     python benchmarks/tune.py --config fedasync/examples/quickstart.yaml --strategies fedavg,fedbuff,fedasync \
         --target 0.9 --budget 4 --horizon 600 --jobs 2 --name quickstart_tuning
@@ -240,14 +240,9 @@ def cached(cache: Path | None, config: dict) -> dict | None:
 
 
 def keep(cache: Path | None, config: dict, result: dict) -> None:
-    """Store ``result`` in the run cache (a temporary file renamed into place)."""
-    if cache is None:
-        return
-    cache.mkdir(parents=True, exist_ok=True)
-    path = cache / f"{config_key(config)}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"config": config, "result": result}, sort_keys=True))
-    tmp.replace(path)
+    """Store ``result`` in the run cache (``write_result``: a temporary file renamed into place)."""
+    if cache is not None:
+        write_result(cache / f"{config_key(config)}.json", {"config": config, "result": result})
 
 
 def run_all(jobs: list[dict], workers: int, phase: str, cache: Path | None = None,

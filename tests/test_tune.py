@@ -79,8 +79,8 @@ def test_a_tiny_tuning_run_writes_one_result_file(config, tmp_path, capsys, monk
     out = tmp_path / "r.json"
     written = []
     real = tune.write_result
-    monkeypatch.setattr(tune, "write_result", lambda path, p: (written.append(json.loads(json.dumps(p))),
-                                                               real(path, p))[1])
+    monkeypatch.setattr(tune, "write_result", lambda path, p: (  # the result file's writes (not the run cache's)
+        Path(path) == out and written.append(json.loads(json.dumps(p))), real(path, p))[1])
     argv = ["--config", str(config), "--strategies", "fedavg,fedbuff", "--budget", "2", "--tune-seeds", "100",
             "--report-seeds", "1", "--target", "0.3", "--horizon", "6", "--name", "tiny", "--out", str(out),
             "--knob", "server.server_lr=1.0,1.5", "--knob", "server.server_momentum=0.0",
