@@ -244,6 +244,16 @@ WALL_GRID = "wall_clock_grid.json"
 WALL_GRID_TUNED = "wall_clock_grid_tuned.json"
 
 
+def _flower(key: str) -> bool:
+    """Whether a wall-clock run is one of Flower's (``flower-fedavg[:...]``), not fedasync's."""
+    return key.startswith("flower-fedavg")
+
+
+def _own_run(w: dict) -> str:
+    """The key of a wall-clock file's fedasync run (its one run that is not Flower's)."""
+    return next(k for k in w["runs"] if not _flower(k))
+
+
 def wall_label(key: str) -> str:
     """A wall-clock run's name: ``flower-fedavg[:k=v...]`` (FedAvgM with options), ``fedbuff[:k=v...]``."""
     name, *kvs = key.split(":")
@@ -258,10 +268,10 @@ def wall_label(key: str) -> str:
 def _wall_ratios(results: Path, name: str) -> list[str]:
     """"R× sooner than <Flower run> (T s)" for the file's fedasync run against each of its Flower runs."""
     w = load(results, name)
-    mine = next(k for k in w["runs"] if not k.startswith("flower-fedavg"))
+    mine = _own_run(w)
     out = []
     for key, r in w["runs"].items():
-        if key.startswith("flower-fedavg"):
+        if _flower(key):
             label = wall_label(key).replace("Flower ", "Flower's own ")
             ratio = w["speedup_vs"][key].get(mine)
             out.append(f"{fmt(ratio, 2)}× sooner than {label} ({fmt(r['time_to_target_s'], 1)} s)" if ratio
@@ -287,8 +297,7 @@ def _readme_wallclock(results: Path) -> str:
            f"at defaults reached {w['target_accuracy'] * 100:g} % in {fmt(fb, 1)} s: " + "; ".join(_wall_ratios(results, WALL_GRID))
            + f" (`{WALL_GRID}`, one engine start)")
     if (results / WALL_GRID_TUNED).is_file():
-        t = load(results, WALL_GRID_TUNED)
-        mine = next(k for k in t["runs"] if not k.startswith("flower-fedavg"))
+        mine = _own_run(load(results, WALL_GRID_TUNED))
         out += (f"; tuned against tuned ({wall_label(mine)}, the quickstart's tuned point): "
                 + "; ".join(_wall_ratios(results, WALL_GRID_TUNED)) + f" (`{WALL_GRID_TUNED}`)")
     return out + "."
@@ -327,7 +336,7 @@ def wall_clock_table(results: Path) -> str:
 
 def _wall_grid_table(results: Path, name: str) -> str:
     w = load(results, name)
-    bases = [k for k in w["runs"] if k.startswith("flower-fedavg")]
+    bases = [k for k in w["runs"] if _flower(k)]
     rows = ["| run | wall s to 90 % | best acc | " + " | ".join(f"vs {wall_label(b)}" for b in bases)
             + " | rounds / versions | updates |", "|---|---:|---:|" + "---:|" * len(bases) + "---:|---:|"]
     for k, r in w["runs"].items():
