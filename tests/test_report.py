@@ -85,7 +85,7 @@ def test_a_result_typed_into_the_readme_prose_fails(site):
 
 def test_a_changed_result_file_fails_and_report_rewrites_the_blocks(site):
     report = _report()
-    path = site / "benchmarks" / "results" / "mnist_defaults.json"
+    path = site / "benchmarks" / "results" / "mnist_tuning.json"
     data = json.loads(path.read_text())
     row = next(r for r in data["report"] if r["strategy"] == "fedbuff")
     row["median_s"] += 10.0
