@@ -30,13 +30,14 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import report_blocks  # noqa: E402
+import report_blocks_goals  # noqa: E402
 import report_blocks_mnist  # noqa: E402
 import report_blocks_misc  # noqa: E402
 import report_blocks_policy  # noqa: E402
 
 #: block name -> generator; each page's generators live in a module of their own
 GENERATORS = {**report_blocks.GENERATORS, **report_blocks_mnist.GENERATORS, **report_blocks_policy.GENERATORS,
-              **report_blocks_misc.GENERATORS}
+              **report_blocks_misc.GENERATORS, **report_blocks_goals.GENERATORS}
 
 ROOT = HERE.parent
 BLOCK = re.compile(r"<!-- report:([\w-]+) -->\n(.*?)<!-- /report -->", re.S)

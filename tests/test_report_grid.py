@@ -111,3 +111,28 @@ def test_the_wall_clock_grid_names_each_flower_baseline(results):
     readme = rb._readme_wallclock(results)
     assert ("tuned against tuned (fedasync FedBuff, `concurrency` 40, the quickstart's tuned point): 3.00× sooner than "
             "Flower's own FedAvgM, `server_lr` 1.0, `server_momentum` 0.9 (450.0 s)") in readme
+
+
+def test_the_goals_block_judges_each_goal_by_its_file(results):
+    import report_blocks_goals as goals
+
+    block = goals.readme_goals(results)  # nothing measured: every goal said missed, none met
+    assert block.count("**missed**") == 3 and "**met**" not in block and block.count("not measured") == 3
+    _write(results, "quickstart_tuning.json", _tuning(4, [_row("defaults", "fedavg", 280.0, 240.0, 360.0, 1.0),
+                                                          _row("defaults", "fedbuff", 62.0, 52.0, 72.0, 4.516)]))
+    rows = [_row("defaults", "fedavg", 1230.0, 1100.0, 1400.0, 1.0), _row("defaults", "fedbuff", 310.0, 290.0, 330.0, 3.968),
+            _row("tuned", "fedavg", 600.0, 560.0, 650.0, 1.0), _row("tuned", "fedbuff", 210.0, 190.0, 220.0, 2.857)]
+    _write(results, "mnist_tuning.json", _tuning(6, rows))
+    m = "flower-fedavg:server_lr=1.0:server_momentum=0.9"
+    _write(results, "wall_clock_grid.json", {
+        "provenance": PROV, "runs": {"fedbuff": {}, m: {}, "flower-fedavg": {}},
+        "speedup_vs": {m: {"fedbuff": 4.1}, "flower-fedavg": {"fedbuff": 6.2}}})
+    block = goals.readme_goals(results)
+    assert "4.52× (goal ≥ 4.5×: **met**; `quickstart_tuning.json`)" in block
+    assert "tuned FedAvgM to 97 %: 2.86× (goal ≥ 3×: **missed**; `mnist_tuning.json`)" in block
+    # judged against Flower given the tuned momentum, not against its plain FedAvg
+    assert "`server_momentum` 0.9 (Flower given the tuned server momentum): 4.10× (goal ≥ 4×: **met**" in block
+    assert "against Flower's plain FedAvg 6.20×" in block
+    rows[3]["ratio_vs_fedavg"] = 3.0
+    _write(results, "mnist_tuning.json", _tuning(6, rows))
+    assert "3.00× (goal ≥ 3×: **met**" in goals.readme_goals(results)
