@@ -100,6 +100,9 @@ def run_grid(grid: list[tuple[str, list[str]]], seeds: list[int], path: Path,
             tmp.replace(path)
             print(f"{label} seed {seed}: " + ", ".join(f"{k}={v}" for k, v in row.items()
                                                        if isinstance(v, (int, float)) and k != "seed"), flush=True)
+    if data["runs"]:  # also when nothing was run: the medians of the runs the file holds, in the grid's order
+        order = [g[0] for g in grid]
+        data["medians"] = medians(data["runs"], order + sorted({r["label"] for r in data["runs"]} - set(order)))
     return data
 
 
