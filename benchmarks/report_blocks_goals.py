@@ -9,7 +9,7 @@ from typing import Callable
 
 from report_blocks import WALL_GRID, _flower, _own_run, fmt, load, mnist_grid_file, wall_label
 
-#: issue 34's goals: (what, the least ratio that meets it)
+#: issue 34's goals: the least ratio that meets each
 QUICKSTART_GOAL = 4.5  # FedBuff vs FedAvg at defaults, quickstart, median of 3 seeds, on the grid
 MNIST_TUNED_GOAL = 3.0  # tuned FedBuff vs tuned FedAvg(M) to 97 % on MNIST
 WALL_GOAL = 4.0  # FedBuff at defaults vs Flower's FedAvg given a tuned server learning rate, wall clock
@@ -57,7 +57,7 @@ def _wall(results: Path) -> str:
     # the goal is judged against the strongest Flower run the file holds
     key = min(tuned, key=lambda k: w["speedup_vs"][k].get(mine) or float("inf"))
     ratio = w["speedup_vs"][key].get(mine)
-    out = (f"wall clock, FedBuff at defaults vs {wall_label(key)} (Flower given the tuned server momentum): "
+    out = (f"wall clock, FedBuff at defaults vs {wall_label(key)} (Flower given a tuned server learning rate and momentum): "
            f"{fmt(ratio, 2)}× ({judge(ratio, WALL_GOAL)}")
     if plain:
         out += f"; against Flower's plain FedAvg {fmt(w['speedup_vs'][plain[0]].get(mine), 2)}×"

@@ -12,7 +12,6 @@ import re
 from pathlib import Path
 
 import numpy as np
-
 import pytest
 import yaml
 from typer.testing import CliRunner

@@ -131,7 +131,7 @@ def test_the_goals_block_judges_each_goal_by_its_file(results):
     assert "4.52× (goal ≥ 4.5×: **met**; `quickstart_tuning.json`)" in block
     assert "tuned FedAvgM to 97 %: 2.86× (goal ≥ 3×: **missed**; `mnist_tuning.json`)" in block
     # judged against Flower given the tuned momentum, not against its plain FedAvg
-    assert "`server_momentum` 0.9 (Flower given the tuned server momentum): 4.10× (goal ≥ 4×: **met**" in block
+    assert "`server_momentum` 0.9 (Flower given a tuned server learning rate and momentum): 4.10× (goal ≥ 4×: **met**" in block
     assert "against Flower's plain FedAvg 6.20×" in block
     rows[3]["ratio_vs_fedavg"] = 3.0
     _write(results, "mnist_tuning.json", _tuning(6, rows))
