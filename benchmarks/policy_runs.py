@@ -89,9 +89,7 @@ def run_grid(grid: list[tuple[str, list[str]]], seeds: list[int], path: Path,
             row = {"label": label, "seed": seed, "overrides": overrides, **extract(s),
                    "wall_s": round(time.time() - t0, 1)}
             data["runs"].append(row)
-            order = [g[0] for g in grid]
-            order += sorted({r["label"] for r in data["runs"]} - set(order))
-            data["medians"] = medians(data["runs"], order)
+            data["medians"] = grid_medians(data["runs"], grid)
             if goals is not None:
                 data["goals"] = goals(data["medians"])
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -100,10 +98,15 @@ def run_grid(grid: list[tuple[str, list[str]]], seeds: list[int], path: Path,
             tmp.replace(path)
             print(f"{label} seed {seed}: " + ", ".join(f"{k}={v}" for k, v in row.items()
                                                        if isinstance(v, (int, float)) and k != "seed"), flush=True)
-    if data["runs"]:  # also when nothing was run: the medians of the runs the file holds, in the grid's order
-        order = [g[0] for g in grid]
-        data["medians"] = medians(data["runs"], order + sorted({r["label"] for r in data["runs"]} - set(order)))
+    if data["runs"]:  # also when nothing was run: the medians of every run the file holds
+        data["medians"] = grid_medians(data["runs"], grid)
     return data
+
+
+def grid_medians(runs: list[dict], grid: list[tuple[str, list[str]]]) -> dict[str, dict]:
+    """:func:`medians` of ``runs`` in the grid's order, then the file's other labels sorted."""
+    order = [g[0] for g in grid]
+    return medians(runs, order + sorted({r["label"] for r in runs} - set(order)))
 
 
 def medians(runs: list[dict], order: list[str]) -> dict[str, dict]:
