@@ -4,8 +4,9 @@ For a YAML scenario and a list of strategies:
 
 1. **Grid.** Each strategy gets knobs: the client learning rate ``train.lr`` (0.5x, 1x, 2x the
    config's) for all; ``server.server_lr`` (1.0, 1.5, 2.0) and ``server.server_momentum`` (0, 0.9)
-   for fedavg (FedAvgM) and fedbuff; ``server.concurrency`` (0.5x, 1x, 2x) for the asynchronous
-   ones. A knob the config schema or the strategy refuses is left out (printed). Every strategy gets
+   for fedavg (FedAvgM) and fedbuff; ``server.concurrency`` (0.5x, 1x, 2x) for all: tasks in flight
+   for the asynchronous ones, the cohort size for fedavg (``server.clients_per_round`` instead where the
+   config sets it; it follows ``concurrency`` otherwise). A knob the config schema or the strategy refuses is left out (printed). Every strategy gets
    the SAME number of grid points (``--budget``, cut to the smallest candidate set): its defaults
    first, then the candidates that change one knob, then two, ..., each group in a seeded order
    (``--grid-seed``).
@@ -130,9 +131,12 @@ def knobs_for(strategy: str, raw: dict, overrides: dict[str, list] | None = None
         knobs["server.server_lr"] = sorted(set(SERVER_LR) | {float(server.get("server_lr", 1.0))})
         if "server_momentum" in server:
             knobs["server.server_momentum"] = sorted(set(MOMENTUM) | {float(server["server_momentum"])})
-    if strategy in ASYNC:
-        c = int(server["concurrency"])
-        knobs["server.concurrency"] = sorted({max(1, round(c * f)) for f in CONCURRENCY_FACTORS})
+    if strategy in ASYNC or strategy == "fedavg":
+        # tasks in flight for the asynchronous ones; FedAvg's cohort (clients_per_round, which follows
+        # concurrency unless the config sets it): the same knob for every strategy (issue 34)
+        key = "clients_per_round" if strategy == "fedavg" and server.get("clients_per_round") else "concurrency"
+        c = int(server[key])
+        knobs[f"server.{key}"] = sorted({max(1, round(c * f)) for f in CONCURRENCY_FACTORS})
     for key, values in (overrides or {}).items():
         if key in knobs:
             knobs[key] = list(values)

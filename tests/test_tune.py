@@ -38,7 +38,8 @@ def test_every_strategy_gets_the_same_budget_defaults_first(config):
     points, n, knobs = tune.grids(bases, 4, 0)
     assert n == 4 and all(len(p) == 4 for p in points.values())
     assert "train.lr" in knobs["fedavg"] and "server.server_lr" in knobs["fedavg"]
-    assert "server.concurrency" in knobs["fedasync"] and "server.concurrency" not in knobs["fedavg"]
+    assert all("server.concurrency" in knobs[s] for s in knobs)  # FedAvg's cohort too: the same knobs
+    assert "server.server_lr" not in knobs["fedasync"]
     for s, pts in points.items():
         assert pts[0] == {k: tune._get(bases[s], k) for k in knobs[s]}  # the defaults
         assert len({json.dumps(p, sort_keys=True) for p in pts}) == 4  # distinct
