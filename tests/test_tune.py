@@ -51,6 +51,16 @@ def test_every_strategy_gets_the_same_budget_defaults_first(config):
     assert all(len(p) == m for p in small.values()) and any("budget cut" in x for x in notes)
 
 
+def test_fedavgs_cohort_is_its_own_key_where_the_config_sets_it(tmp_path):
+    p = tmp_path / "m.yaml"
+    p.write_text(YAML.replace("fedbuff, concurrency: 4, buffer_size: 2,", "fedavg, concurrency: 4, clients_per_round: 2,"))
+    bases = tune.strategy_bases(p, ["fedavg", "fedbuff"])
+    knobs = tune.knobs_for("fedavg", bases["fedavg"])
+    assert knobs["server.clients_per_round"] == [1, 2, 4] and "server.concurrency" not in knobs
+    fedbuff = tune.knobs_for("fedbuff", bases["fedbuff"])  # clients_per_round reset there
+    assert fedbuff["server.concurrency"] == [2, 4, 8] and "server.clients_per_round" not in fedbuff
+
+
 def test_a_run_config_tunes_on_validation_with_the_grid():
     raw = {"seed": 0, "data": {}, "train": {"lr": 0.1}, "server": {"eval_every": 1, "max_virtual_time": 5}}
     out = tune.run_config(raw, {"train.lr": 0.3}, seed=100, metric="val_accuracy", target=0.8, val_fraction=0.1,
