@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 import types
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -103,6 +104,10 @@ def compare_configs(spec: str | list, base: Config) -> list[tuple[str, Config]]:
         out.append((label, cfg))
     if not out:
         raise ConfigError("--compare: no strategy given")
+    if len(out) > 1 and base.server.eval_every_s is None:
+        warnings.warn(f"--compare: evaluated every {base.server.eval_every} versions, not on a common grid of "
+                      "virtual times (a FedAvg version is a round, a FedBuff version K updates), so the times "
+                      "to a target are not comparable; set server.eval_every_s", UserWarning, stacklevel=2)
     return out
 
 

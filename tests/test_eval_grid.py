@@ -202,3 +202,16 @@ def test_eval_every_and_eval_every_s_both_given_is_one_error_and_eval_every_alon
     alone = config_from_dict({"server": {"eval_every": 2}}).server
     assert (alone.eval_every_s, alone.eval_every) == (None, 2)
     assert config_from_dict({}).server.eval_every_s == 2.0
+
+
+def test_compare_on_versions_warns_that_the_times_are_not_comparable():
+    import warnings
+
+    from fedasync.api import compare_configs
+
+    with pytest.warns(UserWarning, match=r"every 3 versions, not on a common grid.*server\.eval_every_s"):
+        compare_configs("fedavg,fedbuff", config_from_dict({"server": {"eval_every": 3}}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # on the grid, or one strategy alone: nothing to warn about
+        compare_configs("fedavg,fedbuff", config_from_dict({}))
+        compare_configs("fedbuff", config_from_dict({"server": {"eval_every": 3}}))
