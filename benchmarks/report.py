@@ -34,10 +34,12 @@ import report_blocks_goals  # noqa: E402
 import report_blocks_mnist  # noqa: E402
 import report_blocks_misc  # noqa: E402
 import report_blocks_policy  # noqa: E402
+import report_blocks_tuning  # noqa: E402
 
 #: block name -> generator; each page's generators live in a module of their own
 GENERATORS = {**report_blocks.GENERATORS, **report_blocks_mnist.GENERATORS, **report_blocks_policy.GENERATORS,
-              **report_blocks_misc.GENERATORS, **report_blocks_goals.GENERATORS}
+              **report_blocks_misc.GENERATORS, **report_blocks_goals.GENERATORS,
+              **report_blocks_tuning.GENERATORS}
 
 ROOT = HERE.parent
 BLOCK = re.compile(r"<!-- report:([\w-]+) -->\n(.*?)<!-- /report -->", re.S)
@@ -51,8 +53,12 @@ ALLOWED = {
 
 
 def pages(root: Path) -> list[Path]:
-    """The pages whose blocks are generated: README.md, benchmarks/README.md and docs/benchmarks/*.md."""
-    return [root / "README.md", root / "benchmarks" / "README.md", *sorted((root / "docs" / "benchmarks").glob("*.md"))]
+    """The pages whose blocks are generated: README.md, benchmarks/README.md, docs/benchmarks/*.md and
+    any other page under docs/ that holds a block (e.g. docs/howto/tuning.md's cost table)."""
+    fixed = [root / "README.md", root / "benchmarks" / "README.md", *sorted((root / "docs" / "benchmarks").glob("*.md"))]
+    more = [p for p in sorted((root / "docs").rglob("*.md"))
+            if p not in fixed and "<!-- report:" in p.read_text(errors="replace")]
+    return fixed + more
 
 
 def render(text: str, results: Path) -> tuple[str, list[str]]:

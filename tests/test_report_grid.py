@@ -136,3 +136,24 @@ def test_the_goals_block_judges_each_goal_by_its_file(results):
     rows[3]["ratio_vs_fedavg"] = 3.0
     _write(results, "mnist_tuning.json", _tuning(6, rows))
     assert "3.00× (goal ≥ 3×: **met**" in goals.readme_goals(results)
+
+
+def test_the_tuning_cost_block_sums_each_phases_runs_and_counts_the_cached_ones(results, tmp_path):
+    import report
+    import report_blocks_tuning as rt
+
+    mine, old = "a" * 40, "b" * 40
+    run = lambda wall, commit: {"wall_s": wall, "commit": commit}  # noqa: E731
+    d = _tuning(2, [], runs={"fedavg/0": [run(60.0, old), run(120.0, mine)], "fedbuff/1": [run(600.0, mine)]})
+    d["variants"] = {"fedavg": [{"runs": [run(300.0, mine), run(900.0, old)]}], "fedbuff": [{"runs": [run(1800.0, mine)]}]}
+    _write(results, "mnist_tuning.json", d)
+    block = rt.tuning_cost(results)
+    # tuning 300 + 900 + 1800 s = 50 min, report 60 + 120 + 600 s = 13 min; longest 30 min; 4 of 6 at the commit
+    assert "| `mnist_tuning.json` | fedavg, fedbuff | 2 | 3 + 3 | 50 + 13 | 30 | 4 of 6 |" in block
+    assert "quickstart_tuning.json" not in block  # a file not there has no row
+    # a page outside docs/benchmarks with a block is one of report's pages; one without is not
+    (tmp_path / "docs" / "howto").mkdir(parents=True)
+    (tmp_path / "docs" / "howto" / "t.md").write_text("x\n<!-- report:tuning-cost -->\n<!-- /report -->\n")
+    (tmp_path / "docs" / "howto" / "u.md").write_text("no block\n")
+    assert tmp_path / "docs" / "howto" / "t.md" in report.pages(tmp_path)
+    assert tmp_path / "docs" / "howto" / "u.md" not in report.pages(tmp_path)
