@@ -1,6 +1,6 @@
 """The generated block of docs/howto/tuning.md (see report.py): what the tuning protocol cost, read
-from its result files (each run's wall seconds, one torch thread each, and the invocation's start and
-end), so the page's cost figures move with every rerun instead of being typed."""
+from its result files (each run's wall seconds and commit), so the page's cost figures move with
+every rerun instead of being typed."""
 
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ def cost_row(name: str, d: dict) -> str:
     runs = [r for rs in phases.values() for r in rs]
     commit = prov["commit"]
     ran_here = [r for r in runs if r.get("commit") == commit]
-    cpu_min = {k: sum(r["wall_s"] for r in rs) / 60 for k, rs in phases.items()}
+    run_min = {k: sum(r["wall_s"] for r in rs) / 60 for k, rs in phases.items()}
     longest = max(r["wall_s"] for r in runs) / 60
     return (f"| `{name}` | {', '.join(p['strategies'])} | {p['budget']} | {len(phases['tuning'])} + "
-            f"{len(phases['report'])} | {fmt(cpu_min['tuning'], 0)} + {fmt(cpu_min['report'], 0)} | "
+            f"{len(phases['report'])} | {fmt(run_min['tuning'], 0)} + {fmt(run_min['report'], 0)} | "
             f"{fmt(longest, 0)} | {len(ran_here)} of {len(runs)} |")
 
 

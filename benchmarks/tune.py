@@ -5,11 +5,11 @@ For a YAML scenario and a list of strategies:
 1. **Grid.** Each strategy gets knobs: the client learning rate ``train.lr`` (0.5x, 1x, 2x the
    config's) for all; ``server.server_lr`` (1.0, 1.5, 2.0) and ``server.server_momentum`` (0, 0.9)
    for fedavg (FedAvgM) and fedbuff; ``server.concurrency`` (0.5x, 1x, 2x) for all: tasks in flight
-   for the asynchronous ones, the cohort size for fedavg (``server.clients_per_round`` instead where the
-   config sets it; it follows ``concurrency`` otherwise). A knob the config schema or the strategy refuses is left out (printed). Every strategy gets
-   the SAME number of grid points (``--budget``, cut to the smallest candidate set): its defaults
-   first, then the candidates that change one knob, then two, ..., each group in a seeded order
-   (``--grid-seed``).
+   for the asynchronous ones, the cohort size for fedavg (``server.clients_per_round`` instead where
+   the config sets it; it follows ``concurrency`` otherwise). A knob the config schema or the
+   strategy refuses is left out (printed). Every strategy gets the SAME number of grid points
+   (``--budget``, cut to the smallest candidate set): its defaults first, then the candidates that
+   change one knob, then two, ..., each group in a seeded order (``--grid-seed``).
 2. **Tuning** on ``--tune-seeds`` (default 100,101): each grid point runs once per seed with
    ``data.val_fraction`` (default 0.1: a validation split carved out of the training pool, which no
    client trains on) and ``server.target`` = ``--target`` on ``--target-metric`` (default
