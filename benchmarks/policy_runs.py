@@ -79,27 +79,28 @@ def run_grid(grid: list[tuple[str, list[str]]], seeds: list[int], path: Path,
         plan = [(label, seed) for seed in seeds for label, _ in grid]
     for label, seed in plan:
         overrides = cells[label]
-        if True:
-            if (label, seed) in done:
-                continue
-            t0 = time.time()
-            s = run_one(overrides, seed)
-            if s["stop_reason"] == "interrupted":  # SIGINT/SIGTERM: the run is cut short, not a result
-                raise SystemExit(f"{label} seed {seed}: interrupted, not recorded")
-            row = {"label": label, "seed": seed, "overrides": overrides, **extract(s),
-                   "wall_s": round(time.time() - t0, 1)}
-            data["runs"].append(row)
-            data["medians"] = grid_medians(data["runs"], grid)
-            if goals is not None:
-                data["goals"] = goals(data["medians"])
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(dumps(data))
-            tmp.replace(path)
-            print(f"{label} seed {seed}: " + ", ".join(f"{k}={v}" for k, v in row.items()
-                                                       if isinstance(v, (int, float)) and k != "seed"), flush=True)
-    if data["runs"]:  # also when nothing was run: the medians of every run the file holds
+        if (label, seed) in done:
+            continue
+        t0 = time.time()
+        s = run_one(overrides, seed)
+        if s["stop_reason"] == "interrupted":  # SIGINT/SIGTERM: the run is cut short, not a result
+            raise SystemExit(f"{label} seed {seed}: interrupted, not recorded")
+        row = {"label": label, "seed": seed, "overrides": overrides, **extract(s),
+               "wall_s": round(time.time() - t0, 1)}
+        data["runs"].append(row)
         data["medians"] = grid_medians(data["runs"], grid)
+        if goals is not None:
+            data["goals"] = goals(data["medians"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(dumps(data))
+        tmp.replace(path)
+        print(f"{label} seed {seed}: " + ", ".join(f"{k}={v}" for k, v in row.items()
+                                                   if isinstance(v, (int, float)) and k != "seed"), flush=True)
+    if data["runs"]:  # also when nothing was run: the medians (and goals) of every run the file holds
+        data["medians"] = grid_medians(data["runs"], grid)
+        if goals is not None:
+            data["goals"] = goals(data["medians"])
     return data
 
 

@@ -1,6 +1,7 @@
 """benchmarks/policy_runs.py's grid runner (scheduling.py, robustness.py): a results file skips the
 (label, seed) runs it holds, and its medians always cover every run it holds, also when an
-invocation ran nothing new (runs recorded by another invocation, e.g. of another part of the grid)."""
+invocation ran nothing new (runs recorded by another invocation, e.g. of another part of the grid),
+and so do its goals."""
 
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ def test_run_grid_skips_what_it_holds_and_takes_medians_over_every_run(tmp_path,
                      for s in (1, 2, 3)]
     path.write_text(json.dumps(held))
     calls.clear()
-    data = policy_runs.run_grid(grid, [1, 2, 3], path, _extract, meta={})
+    goals = lambda med: {"B beats A": med["B"]["final_accuracy"] > med["A"]["final_accuracy"]}  # noqa: E731
+    data = policy_runs.run_grid(grid, [1, 2, 3], path, _extract, meta={}, goals=goals)
     assert calls == []  # every (label, seed) is held: nothing runs
+    assert data["goals"] == {"B beats A": True}  # judged on every run held, also when nothing ran
     assert list(data["medians"]) == ["A", "B"] and data["medians"]["B"]["final_accuracy"] == 0.62
     assert data["medians"]["B"]["seeds"] == [1, 2, 3]
