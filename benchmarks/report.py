@@ -3,11 +3,10 @@
     python benchmarks/report.py           # rewrite every generated block of the pages
     python benchmarks/report.py --check   # exit 1 naming each stale block and each unbacked README number
 
-The pages are ``README.md``, ``benchmarks/README.md`` and ``docs/benchmarks/*.md``. A generated
-block is the text between ``<!-- report:NAME -->`` and ``<!-- /report -->``; its content is what
-the generator ``NAME`` (of :mod:`report_blocks`, :mod:`report_blocks_mnist`,
-:mod:`report_blocks_policy` or :mod:`report_blocks_misc`) makes from the result files, never
-typed. ``--check`` also reads README.md outside generated blocks, fenced code, inline code and
+The pages are ``README.md``, ``benchmarks/README.md``, ``docs/benchmarks/*.md`` and any other docs
+page that holds a block. A generated block is the text between ``<!-- report:NAME -->`` and
+``<!-- /report -->``; its content is what the generator ``NAME`` (of one of the ``report_blocks*``
+modules: :data:`GENERATORS`) makes from the result files, never typed. ``--check`` also reads README.md outside generated blocks, fenced code, inline code and
 link targets: every number left there must be in :data:`ALLOWED` (numbers that are not results:
 the quickstart's 100 clients, ...), so a result typed into the prose fails the check; and a
 Markdown table row of ``docs/benchmarks/*.md`` or ``benchmarks/README.md`` outside a generated
@@ -35,11 +34,12 @@ import report_blocks_mnist  # noqa: E402
 import report_blocks_misc  # noqa: E402
 import report_blocks_policy  # noqa: E402
 import report_blocks_tuning  # noqa: E402
+import report_blocks_wall  # noqa: E402
 
 #: block name -> generator; each page's generators live in a module of their own
 GENERATORS = {**report_blocks.GENERATORS, **report_blocks_mnist.GENERATORS, **report_blocks_policy.GENERATORS,
               **report_blocks_misc.GENERATORS, **report_blocks_goals.GENERATORS,
-              **report_blocks_tuning.GENERATORS}
+              **report_blocks_tuning.GENERATORS, **report_blocks_wall.GENERATORS}
 
 ROOT = HERE.parent
 BLOCK = re.compile(r"<!-- report:([\w-]+) -->\n(.*?)<!-- /report -->", re.S)

@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from report_blocks import WALL_GRID, _flower, _own_run, fmt, load, mnist_grid_file, wall_label
+from report_blocks import fmt, load, mnist_grid_file
+from report_blocks_wall import WALL_GRID, _flower, _own_run, wall_label
 
 #: issue 34's goals: the least ratio that meets each
 QUICKSTART_GOAL = 4.5  # FedBuff vs FedAvg at defaults, quickstart, median of 3 seeds, on the grid

@@ -1,6 +1,7 @@
-"""benchmarks/report_blocks.py's blocks of issue 34's protocol: MNIST on the evaluation grid (defaults vs
-defaults, or tuned vs tuned once the full protocol's file is complete) and the wall clock on the grid
-against Flower's FedAvg and FedAvgM; every figure they print comes from the file."""
+"""The blocks of issue 34's protocol (benchmarks/report_blocks*.py): MNIST on the evaluation grid
+(defaults vs defaults, or tuned vs tuned once the full protocol's file is complete), the wall clock
+on the grid against Flower's FedAvg and FedAvgM, and the tuning cost; every figure they print comes
+from the file."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import report_blocks as rb  # noqa: E402
+import report_blocks_wall as rw  # noqa: E402
 
 PROV = {"command": "python benchmarks/tune.py --name x", "commit": "a" * 40, "dirty": False,
         "machine": {"nproc": 2}, "date": "2026-12-06T23:00:00Z"}
@@ -82,7 +84,7 @@ def test_a_complete_tuning_file_replaces_the_defaults_and_an_incomplete_one_does
 
 
 def test_the_wall_clock_grid_names_each_flower_baseline(results):
-    assert "Not run yet" in rb.wall_clock_grid(results)
+    assert "Not run yet" in rw.wall_clock_grid(results)
     fedbuff = {"time_to_target_s": 250.0, "wall_s": 260.0, "best_accuracy": 0.91, "versions": 100, "updates": 1000}
     avg = {"time_to_target_s": 1200.0, "wall_s": 1200.0, "best_accuracy": 0.9, "rounds": 80, "updates": 1600}
     avgm = {"time_to_target_s": 500.0, "wall_s": 500.0, "best_accuracy": 0.9, "rounds": 30, "updates": 600}
@@ -93,10 +95,10 @@ def test_the_wall_clock_grid_names_each_flower_baseline(results):
         **head, "runs": {"fedbuff": fedbuff, m: avgm, "flower-fedavg": avg},
         "speedup_vs": {m: {"fedbuff": 2.0, m: 1.0, "flower-fedavg": 0.417},
                        "flower-fedavg": {"fedbuff": 4.8, m: 2.4, "flower-fedavg": 1.0}}})
-    table = rb.wall_clock_grid(results)
+    table = rw.wall_clock_grid(results)
     assert "| vs Flower FedAvgM, `server_lr` 1.0, `server_momentum` 0.9 | vs Flower FedAvg |" in table
     assert "| 250.0 | 0.9100 | 2.00× | 4.80× |" in table and "100 s, not counted" in table and "20 actors" in table
-    readme = rb._readme_wallclock(results)
+    readme = rw._readme_wallclock(results)
     assert "4.80× sooner than Flower's own FedAvg (1,200.0 s)" in readme
     assert "2.00× sooner than Flower's own FedAvgM, `server_lr` 1.0, `server_momentum` 0.9 (500.0 s)" in readme
     assert "grid of 8 wall s" in readme and "tuned against tuned" not in readme
@@ -105,10 +107,10 @@ def test_the_wall_clock_grid_names_each_flower_baseline(results):
     _write(results, "wall_clock_grid_tuned.json", {
         **head, "actors": 40, "runs": {"fedbuff:concurrency=40": tuned, m: {**avgm, "time_to_target_s": 450.0}},
         "speedup_vs": {m: {"fedbuff:concurrency=40": 3.0, m: 1.0}}})
-    both = rb.wall_clock_grid(results)
+    both = rw.wall_clock_grid(results)
     assert both.startswith(table) and "40 actors" in both
     assert "| fedasync FedBuff, `concurrency` 40 | 150.0 | 0.9200 | 3.00× |" in both
-    readme = rb._readme_wallclock(results)
+    readme = rw._readme_wallclock(results)
     assert ("tuned against tuned (fedasync FedBuff, `concurrency` 40, the quickstart's tuned point): 3.00× sooner than "
             "Flower's own FedAvgM, `server_lr` 1.0, `server_momentum` 0.9 (450.0 s)") in readme
 
