@@ -297,7 +297,7 @@ def main() -> None:
     result: dict = {"provenance": provenance(sys.argv),
                     "command": "python " + " ".join(sys.argv), "time_scale": args.time_scale,
                     "actors": args.actors, "pool": args.pool, "worker_niceness": args.worker_niceness,
-                    "num_clients": base.data.num_clients,
+                    "num_clients": base.data.num_clients, "seed": base.seed,
                     "concurrency": base.server.concurrency, "target_accuracy": target,
                     "eval_every_wall_s": every, "target_hold": hold,
                     "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
