@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Callable
 
 from report_blocks import fmt, load, mnist_grid_file
-from report_blocks_wall import WALL_GRID, _flower, _own_run, wall_label
+from report_blocks_wall import WALL_GRID, _own_run, wall_label, wall_seeds
 
 #: issue 34's goals: the least ratio that meets each
 QUICKSTART_GOAL = 4.5  # FedBuff vs FedAvg at defaults, quickstart, median of 3 seeds, on the grid
@@ -49,19 +49,20 @@ def _wall(results: Path) -> str:
     if not (results / WALL_GRID).is_file():
         return f"wall clock at defaults vs Flower: not measured on the evaluation grid yet ({judge(None, WALL_GOAL)})"
     w = load(results, WALL_GRID)
-    mine = _own_run(w)
-    tuned = [k for k in w["runs"] if _flower(k) and ":" in k]  # Flower given a server learning rate / momentum
-    if not tuned:
+    s = wall_seeds(results)  # against the strongest Flower run the file holds, on every seed measured
+    if s is None:
         return (f"wall clock at defaults vs Flower given a tuned server learning rate: not run (`{WALL_GRID}` has "
                 f"no Flower FedAvgM run; {judge(None, WALL_GOAL)})")
-    # the goal is judged against the strongest Flower run the file holds
-    key = min(tuned, key=lambda k: w["speedup_vs"][k].get(mine) or float("inf"))
-    ratio = w["speedup_vs"][key].get(mine)
-    out = (f"wall clock, FedBuff at defaults vs {wall_label(key)} (Flower given a tuned server learning rate and momentum): "
-           f"{fmt(ratio, 2)}× ({judge(ratio, WALL_GOAL)}")
+    n = len(s["rows"])
+    out = (f"wall clock, FedBuff at defaults vs {wall_label(s['flower'])} (Flower given a tuned server learning rate "
+           f"and momentum): {fmt(s['ratio'], 2)}× ({judge(s['ratio'], WALL_GOAL)}")
+    if n > 1:
+        out += f"; median of {n} seeds, {fmt(s['lo'], 2)}–{fmt(s['hi'], 2)}× seed by seed"
     if "flower-fedavg" in w["runs"]:
-        out += f"; against Flower's plain FedAvg {fmt(w['speedup_vs']['flower-fedavg'].get(mine), 2)}×"
-    return out + f"; `{WALL_GRID}`, one run each)"
+        plain = w["speedup_vs"]["flower-fedavg"].get(_own_run(w))
+        out += f"; against Flower's plain FedAvg {fmt(plain, 2)}×" + (f" on seed {s['rows'][0]['seed']}" if n > 1 else "")
+    files = ", ".join(f"`{r['file']}`" for r in s["rows"])
+    return out + f"; {files}, one run each)"
 
 
 def readme_goals(results: Path) -> str:

@@ -5,6 +5,7 @@ seam; every number is read from a file under ``benchmarks/results/``."""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Callable
 
@@ -14,6 +15,8 @@ from report_blocks import OLD_PROTOCOL, _readme_mnist, fmt, load, made_by, proto
 #: quickstart's tuned server momentum), then each side tuned; the earlier files (old protocol) when absent
 WALL_GRID = "wall_clock_grid.json"
 WALL_GRID_TUNED = "wall_clock_grid_tuned.json"
+#: more seeds of the defaults comparison (FedBuff against Flower's FedAvgM), one engine start each
+WALL_GRID_SEEDS = ("wall_clock_grid_seed1.json", "wall_clock_grid_seed2.json")
 
 
 def _flower(key: str) -> bool:
@@ -121,13 +124,84 @@ def _wall_grid_table(results: Path, name: str) -> str:
             f"{fmt(w.get('engine_start_s', 0) + w.get('warmup_s', 0), 0)} s, not counted.\n\n" + "\n".join(rows) + "\n")
 
 
+def _seed(w: dict) -> int:
+    """The config seed of a wall-clock file: its own ``seed`` key, else ``--set seed=N`` of its command,
+    else the packaged quickstart's (the script's default config)."""
+    if "seed" in w:
+        return int(w["seed"])
+    argv = w.get("provenance", {}).get("argv", [])
+    sets = [b for a, b in zip(argv, argv[1:]) if a == "--set" and b.startswith("seed=")]
+    if sets:
+        return int(sets[-1].split("=", 1)[1])
+    from fedasync.config import load_config
+
+    return load_config(None).seed
+
+
+def _median(xs: list[float | None]) -> float | None:
+    """Median with a run that missed the target (None) counted as infinite: None when most missed."""
+    vals = sorted(float("inf") if x is None else float(x) for x in xs)
+    m = statistics.median(vals) if vals else float("inf")
+    return None if m == float("inf") else m
+
+
+def wall_seeds(results: Path) -> dict | None:
+    """FedBuff at defaults against Flower's strongest FedAvgM of ``wall_clock_grid.json`` on every seed
+    file that holds both runs: per seed (seed, file, FedBuff's s, FedAvgM's s, ratio) and the medians;
+    None without ``wall_clock_grid.json`` or a FedAvgM run in it."""
+    if not (results / WALL_GRID).is_file():
+        return None
+    w0 = load(results, WALL_GRID)
+    mine = _own_run(w0)
+    tuned = [k for k in w0["runs"] if _flower(k) and ":" in k]
+    if not tuned:
+        return None
+    key = min(tuned, key=lambda k: w0["speedup_vs"][k].get(mine) or float("inf"))  # the strongest Flower run
+    rows = []
+    for name in (WALL_GRID, *WALL_GRID_SEEDS):
+        if not (results / name).is_file():
+            continue
+        w = load(results, name)
+        if mine not in w["runs"] or key not in w["runs"]:
+            continue
+        rows.append({"seed": _seed(w), "file": name, "mine_s": w["runs"][mine].get("time_to_target_s"),
+                     "flower_s": w["runs"][key].get("time_to_target_s"), "ratio": w["speedup_vs"][key].get(mine)})
+    ma, mb = _median([r["mine_s"] for r in rows]), _median([r["flower_s"] for r in rows])
+    ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
+    ratio = rows[0]["ratio"] if len(rows) == 1 else (mb / ma if ma and mb else None)  # the median times' ratio
+    return {"mine": mine, "flower": key, "rows": rows, "mine_s": ma, "flower_s": mb, "ratio": ratio,
+            "lo": min(ratios, default=None), "hi": max(ratios, default=None)}
+
+
+def _wall_seeds_table(results: Path) -> str:
+    s = wall_seeds(results)
+    if s is None or len(s["rows"]) < 2:
+        return ""
+    rows = [f"| seed | file | {wall_label(s['mine'])}: wall s to 90 % | {wall_label(s['flower'])}: wall s to 90 % "
+            "| ratio |", "|---:|---|---:|---:|---:|"]
+    def t(x: float | None) -> str:
+        return "not reached" if x is None else fmt(x, 1)
+
+    for r in s["rows"]:
+        ratio = "-" if r["ratio"] is None else f"{fmt(r['ratio'], 2)}×"
+        rows.append(f"| {r['seed']} | `{r['file']}` | {t(r['mine_s'])} | {t(r['flower_s'])} | {ratio} |")
+    med = "-" if s["ratio"] is None else f"{fmt(s['ratio'], 2)}× ({fmt(s['lo'], 2)}–{fmt(s['hi'], 2)})"
+    rows.append(f"| median | | {t(s['mine_s'])} | {t(s['flower_s'])} | {med} |")
+    made = "; ".join(f"`{n}`: {made_by(results, n)}" for n in WALL_GRID_SEEDS if (results / n).is_file())
+    return (f"\nAt defaults on {len(s['rows'])} seeds (the config's `seed`: the data partition and the clients' "
+            f"speeds), one engine start each, the same settings otherwise ({made}). The median row is the "
+            "median times' ratio, with the seeds' lowest and highest ratio:\n\n" + "\n".join(rows) + "\n")
+
+
 def wall_clock_grid(results: Path) -> str:
     """The wall clock on the evaluation grid: every run against each Flower run of its engine start,
-    at defaults (``wall_clock_grid.json``) and tuned (``wall_clock_grid_tuned.json``)."""
+    at defaults (``wall_clock_grid.json``, and FedBuff against FedAvgM on more seeds) and tuned
+    (``wall_clock_grid_tuned.json``)."""
     files = [n for n in (WALL_GRID, WALL_GRID_TUNED) if (results / n).is_file()]
     if not files:
         return f"Not run yet on the evaluation grid (`{WALL_GRID}`).\n"
-    return "\n".join(_wall_grid_table(results, n) for n in files)
+    return _wall_grid_table(results, files[0]) + _wall_seeds_table(results) + "".join(
+        "\n" + _wall_grid_table(results, n) for n in files[1:])
 
 
 # Each wall-clock file and, for a file without a Flower run, the file whose Flower run it is set against.

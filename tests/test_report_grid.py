@@ -159,3 +159,38 @@ def test_the_tuning_cost_block_sums_each_phases_runs_and_counts_the_cached_ones(
     (tmp_path / "docs" / "howto" / "u.md").write_text("no block\n")
     assert tmp_path / "docs" / "howto" / "t.md" in report.pages(tmp_path)
     assert tmp_path / "docs" / "howto" / "u.md" not in report.pages(tmp_path)
+
+
+def test_the_wall_clock_on_more_seeds_is_a_median_table_and_the_goal_is_judged_on_the_median(results):
+    import report_blocks_goals as goals
+
+    m = "flower-fedavg:server_lr=1.0:server_momentum=0.9"
+
+    def wall(seed, mine, flower, plain=None):
+        runs = {"fedbuff": {"time_to_target_s": mine, "wall_s": 300.0, "best_accuracy": 0.91, "versions": 100,
+                            "updates": 1000},
+                m: {"time_to_target_s": flower, "wall_s": 400.0, "best_accuracy": 0.9, "rounds": 20, "updates": 400}}
+        speed = {m: {"fedbuff": None if mine is None else round(flower / mine, 3), m: 1.0}}
+        if plain:
+            runs["flower-fedavg"] = {"time_to_target_s": plain, "wall_s": plain, "best_accuracy": 0.9, "rounds": 60,
+                                     "updates": 1200}
+            speed["flower-fedavg"] = {"fedbuff": round(plain / mine, 3)}
+        prov = {**PROV, "argv": ["benchmarks/wall_clock_vs_flower.py"] + (["--set", f"seed={seed}"] if seed else [])}
+        return {"provenance": prov, "time_scale": 4.0, "eval_every_wall_s": 8.0, "target_hold": 3,
+                "target_accuracy": 0.9, "actors": 20, "runs": runs, "speedup_vs": speed}
+
+    _write(results, "wall_clock_grid.json", wall(0, 200.0, 300.0, plain=800.0))  # no seed key: the quickstart's, 0
+    one = rw.wall_clock_grid(results)
+    assert "| seed |" not in one and "1.50× (goal ≥ 4×: **missed**" in goals.readme_goals(results)
+    _write(results, "wall_clock_grid_seed1.json", {**wall(1, 100.0, 400.0), "seed": 1})
+    _write(results, "wall_clock_grid_seed2.json", wall(2, None, 350.0))  # FedBuff missed on seed 2: infinite
+    block = rw.wall_clock_grid(results)
+    assert block.startswith(one.rstrip("\n"))
+    assert "| 0 | `wall_clock_grid.json` | 200.0 | 300.0 | 1.50× |" in block
+    assert "| 1 | `wall_clock_grid_seed1.json` | 100.0 | 400.0 | 4.00× |" in block
+    assert "| 2 | `wall_clock_grid_seed2.json` | not reached | 350.0 | - |" in block
+    # medians: FedBuff {100, 200, inf} -> 200, FedAvgM {300, 350, 400} -> 350: 1.75x, seeds 1.50-4.00
+    assert "| median | | 200.0 | 350.0 | 1.75× (1.50–4.00) |" in block and "At defaults on 3 seeds" in block
+    g = goals.readme_goals(results)
+    assert "1.75× (goal ≥ 4×: **missed**; median of 3 seeds, 1.50–4.00× seed by seed" in g
+    assert "against Flower's plain FedAvg 4.00× on seed 0" in g and "`wall_clock_grid_seed2.json`, one run each" in g
