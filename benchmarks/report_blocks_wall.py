@@ -71,6 +71,12 @@ def _readme_wallclock(results: Path) -> str:
            f"on one grid of {w['eval_every_wall_s']:g} wall s, the target held {w['target_hold']} in a row), FedBuff "
            f"at defaults reached {w['target_accuracy'] * 100:g} % in {fmt(fb, 1)} s: " + "; ".join(_wall_ratios(results, WALL_GRID))
            + f" (`{WALL_GRID}`, one engine start)")
+    s = wall_seeds(results)
+    if s is not None and len(s["rows"]) > 1:
+        flower = wall_label(s["flower"]).replace("Flower ", "Flower's own ")
+        seeds = ", ".join(str(r["seed"]) for r in s["rows"])
+        out += (f"; over {len(s['rows'])} seeds (seeds {seeds}, one engine start each), {fmt(s['ratio'], 2)}× sooner "
+                f"than {flower} (median times' ratio, {fmt(s['lo'], 2)}–{fmt(s['hi'], 2)}× seed by seed)")
     if (results / WALL_GRID_TUNED).is_file():
         mine = _own_run(load(results, WALL_GRID_TUNED))
         out += (f"; tuned against tuned ({wall_label(mine)}, the quickstart's tuned point): "
