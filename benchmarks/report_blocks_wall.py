@@ -185,6 +185,7 @@ def _wall_seeds_table(results: Path) -> str:
         return ""
     rows = [f"| seed | file | {wall_label(s['mine'])}: wall s to 90 % | {wall_label(s['flower'])}: wall s to 90 % "
             "| ratio |", "|---:|---|---:|---:|---:|"]
+
     def t(x: float | None) -> str:
         return "not reached" if x is None else fmt(x, 1)
 
