@@ -88,9 +88,7 @@ def run_grid(grid: list[tuple[str, list[str]]], seeds: list[int], path: Path,
         row = {"label": label, "seed": seed, "overrides": overrides, **extract(s),
                "wall_s": round(time.time() - t0, 1)}
         data["runs"].append(row)
-        data["medians"] = grid_medians(data["runs"], grid)
-        if goals is not None:
-            data["goals"] = goals(data["medians"])
+        _summarise(data, grid, goals)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(dumps(data))
@@ -98,10 +96,15 @@ def run_grid(grid: list[tuple[str, list[str]]], seeds: list[int], path: Path,
         print(f"{label} seed {seed}: " + ", ".join(f"{k}={v}" for k, v in row.items()
                                                    if isinstance(v, (int, float)) and k != "seed"), flush=True)
     if data["runs"]:  # also when nothing was run: the medians (and goals) of every run the file holds
-        data["medians"] = grid_medians(data["runs"], grid)
-        if goals is not None:
-            data["goals"] = goals(data["medians"])
+        _summarise(data, grid, goals)
     return data
+
+
+def _summarise(data: dict, grid: list[tuple[str, list[str]]], goals: Callable[[dict], dict] | None) -> None:
+    """``data``'s medians over every run it holds (:func:`grid_medians`) and, with ``goals``, the goals."""
+    data["medians"] = grid_medians(data["runs"], grid)
+    if goals is not None:
+        data["goals"] = goals(data["medians"])
 
 
 def grid_medians(runs: list[dict], grid: list[tuple[str, list[str]]]) -> dict[str, dict]:

@@ -6,11 +6,12 @@
 The pages are ``README.md``, ``benchmarks/README.md``, ``docs/benchmarks/*.md`` and any other docs
 page that holds a block. A generated block is the text between ``<!-- report:NAME -->`` and
 ``<!-- /report -->``; its content is what the generator ``NAME`` (of one of the ``report_blocks*``
-modules: :data:`GENERATORS`) makes from the result files, never typed. ``--check`` also reads README.md outside generated blocks, fenced code, inline code and
-link targets: every number left there must be in :data:`ALLOWED` (numbers that are not results:
-the quickstart's 100 clients, ...), so a result typed into the prose fails the check; and a
-Markdown table row of ``docs/benchmarks/*.md`` or ``benchmarks/README.md`` outside a generated
-block or fenced code fails it, naming the page and line.
+modules: :data:`GENERATORS`) makes from the result files, never typed. ``--check`` also reads
+README.md outside generated blocks, fenced code, inline code and link targets: every number left
+there must be in :data:`ALLOWED` (numbers that are not results: the quickstart's 100 clients, ...),
+so a result typed into the prose fails the check; and a Markdown table row of another page (not
+docs/benchmarks/index.md, which lists pages) outside a generated block or fenced code fails it,
+naming the page and line.
 
 A result file made before ``benchmarks/provenance.py`` carries no provenance: its line says
 "(no provenance: made before <date>)", the date of the first commit that holds the file

@@ -67,7 +67,6 @@ if str(HERE) not in sys.path:
 
 from provenance import provenance, write_result  # noqa: E402
 
-ASYNC = ("fedbuff", "fedasync")
 LR_FACTORS = (0.5, 1.0, 2.0)
 SERVER_LR = (1.0, 1.5, 2.0)
 MOMENTUM = (0.0, 0.9)
@@ -131,12 +130,11 @@ def knobs_for(strategy: str, raw: dict, overrides: dict[str, list] | None = None
         knobs["server.server_lr"] = sorted(set(SERVER_LR) | {float(server.get("server_lr", 1.0))})
         if "server_momentum" in server:
             knobs["server.server_momentum"] = sorted(set(MOMENTUM) | {float(server["server_momentum"])})
-    if strategy in ASYNC or strategy == "fedavg":
-        # tasks in flight for the asynchronous ones; FedAvg's cohort (clients_per_round, which follows
-        # concurrency unless the config sets it): the same knob for every strategy (issue 34)
-        key = "clients_per_round" if strategy == "fedavg" and server.get("clients_per_round") else "concurrency"
-        c = int(server[key])
-        knobs[f"server.{key}"] = sorted({max(1, round(c * f)) for f in CONCURRENCY_FACTORS})
+    # every strategy's parallelism: tasks in flight for the asynchronous ones, FedAvg's cohort
+    # (clients_per_round, which follows concurrency unless the config sets it) (issue 34)
+    key = "clients_per_round" if strategy == "fedavg" and server.get("clients_per_round") else "concurrency"
+    c = int(server[key])
+    knobs[f"server.{key}"] = sorted({max(1, round(c * f)) for f in CONCURRENCY_FACTORS})
     for key, values in (overrides or {}).items():
         if key in knobs:
             knobs[key] = list(values)
