@@ -5,10 +5,10 @@ seam; every number is read from a file under ``benchmarks/results/``."""
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 from typing import Callable
 
+from policy_runs import median
 from report_blocks import OLD_PROTOCOL, _readme_mnist, fmt, load, made_by, protocol
 
 #: the wall clock on the evaluation grid: each side at defaults (Flower also as FedAvgM with the
@@ -144,13 +144,6 @@ def _seed(w: dict) -> int:
     return load_config(None).seed
 
 
-def _median(xs: list[float | None]) -> float | None:
-    """Median with a run that missed the target (None) counted as infinite: None when most missed."""
-    vals = sorted(float("inf") if x is None else float(x) for x in xs)
-    m = statistics.median(vals) if vals else float("inf")
-    return None if m == float("inf") else m
-
-
 def wall_seeds(results: Path) -> dict | None:
     """FedBuff at defaults against Flower's strongest FedAvgM of ``wall_clock_grid.json`` on every seed
     file that holds both runs: per seed (seed, file, FedBuff's s, FedAvgM's s, ratio) and the medians;
@@ -172,7 +165,7 @@ def wall_seeds(results: Path) -> dict | None:
             continue
         rows.append({"seed": _seed(w), "file": name, "mine_s": w["runs"][mine].get("time_to_target_s"),
                      "flower_s": w["runs"][key].get("time_to_target_s"), "ratio": w["speedup_vs"][key].get(mine)})
-    ma, mb = _median([r["mine_s"] for r in rows]), _median([r["flower_s"] for r in rows])
+    ma, mb = median([r["mine_s"] for r in rows]), median([r["flower_s"] for r in rows])  # a miss counts as infinite
     ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
     ratio = rows[0]["ratio"] if len(rows) == 1 else (mb / ma if ma and mb else None)  # the median times' ratio
     return {"mine": mine, "flower": key, "rows": rows, "mine_s": ma, "flower_s": mb, "ratio": ratio,
